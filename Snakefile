@@ -1,0 +1,18 @@
+# detscale: dataset -> validation -> cache -> training (1..N ranks) -> evaluation -> report.
+# A table of contents; the rules live in workflow/rules/, the logic in the detscale package.
+from snakemake.utils import min_version, validate
+
+min_version("8.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+
+
+rule all:
+    input:
+        all_targets(),
+    default_target: True

@@ -1,0 +1,3 @@
+from detscale.cli import main
+
+raise SystemExit(main())

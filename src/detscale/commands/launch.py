@@ -1,0 +1,15 @@
+"""(being built) `detscale launch`."""
+
+from __future__ import annotations
+
+import argparse
+
+from detscale.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+def run(args: argparse.Namespace) -> int:
+    raise UserError("`detscale launch` is not available yet")

@@ -1,0 +1,15 @@
+"""(being built) `detscale report`."""
+
+from __future__ import annotations
+
+import argparse
+
+from detscale.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+def run(args: argparse.Namespace) -> int:
+    raise UserError("`detscale report` is not available yet")

@@ -1,0 +1,138 @@
+"""The one YOLO-format reader every stage uses.
+
+A ``data.yaml`` as Ultralytics and YOLOv9 users have it::
+
+    path: ../datasets/coco      # optional root; relative to the yaml's folder
+    train: images/train2017     # a folder of images, a .txt list of image paths, or a list of either
+    val: val2017.txt
+    names: {0: person, 1: bicycle}   # or a list; `nc` optional and checked when present
+
+Labels are found by the ``images/`` -> ``labels/`` convention (last ``images`` path component
+replaced, suffix ``.txt``). Each label line is ``class cx cy w h`` normalised to [0, 1].
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from detscale.errors import UserError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+SPLITS = ("train", "val")
+
+
+class DatasetError(UserError):
+    """A dataset that cannot be read as described."""
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A parsed data.yaml: class names and the image files of each split."""
+
+    yaml_path: Path
+    root: Path
+    names: tuple[str, ...]
+    splits: dict[str, tuple[Path, ...]]
+
+    @property
+    def nc(self) -> int:
+        return len(self.names)
+
+
+def label_path_for(image: Path) -> Path:
+    """``.../images/x/a.jpg`` -> ``.../labels/x/a.txt`` (the last ``images`` component)."""
+    parts = list(image.parts)
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i] == "images":
+            parts[i] = "labels"
+            return Path(*parts).with_suffix(".txt")
+    return image.with_suffix(".txt")
+
+
+def _parse_names(raw: object, where: Path) -> tuple[str, ...]:
+    if isinstance(raw, dict):
+        try:
+            ids = sorted(int(k) for k in raw)
+        except (TypeError, ValueError):
+            raise DatasetError(f"{where}: 'names' keys must be class ids 0..nc-1, got {list(raw)[:5]}") from None
+        if ids != list(range(len(ids))):
+            raise DatasetError(f"{where}: 'names' must number classes 0..{len(ids) - 1} without gaps, got {ids[:10]}")
+        return tuple(str(raw[k] if k in raw else raw[str(k)]) for k in ids)
+    if isinstance(raw, list) and raw:
+        return tuple(str(n) for n in raw)
+    raise DatasetError(f"{where}: 'names' must be a non-empty list or a mapping id -> name")
+
+
+def _images_in(entry: Path, where: Path, key: str) -> list[Path]:
+    if entry.is_dir():
+        return sorted(p for p in entry.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if entry.suffix == ".txt" and entry.is_file():
+        out = []
+        for line in entry.read_text().splitlines():
+            line = line.strip()
+            if line:
+                p = Path(line)
+                # Ultralytics resolves './images/..' entries against the list file's parent.
+                out.append(p if p.is_absolute() else (entry.parent / p))
+        return [Path(os.path.normpath(p)) for p in out]
+    raise DatasetError(
+        f"{where}: '{key}' points to {entry}, which is neither a folder of images nor a .txt list of image paths"
+    )
+
+
+def load_spec(data_yaml: str | Path, splits: Sequence[str] = SPLITS) -> DatasetSpec:
+    """Parse ``data_yaml``; every requested split must exist."""
+    path = Path(data_yaml)
+    if not path.is_file():
+        raise DatasetError(f"dataset file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise DatasetError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise DatasetError(f"{path}: expected a mapping with 'train', 'val' and 'names'")
+    root = Path(raw.get("path") or ".")
+    if not root.is_absolute():
+        root = (path.parent / root).resolve()
+    names = _parse_names(raw.get("names"), path)
+    if "nc" in raw and int(raw["nc"]) != len(names):
+        raise DatasetError(f"{path}: 'nc' is {raw['nc']} but 'names' lists {len(names)} classes")
+    found: dict[str, tuple[Path, ...]] = {}
+    for split in splits:
+        if not raw.get(split):
+            raise DatasetError(f"{path}: the '{split}' split is missing; add '{split}: <folder or list.txt>'")
+        entries = raw[split] if isinstance(raw[split], list) else [raw[split]]
+        images: list[Path] = []
+        for e in entries:
+            entry = Path(e) if Path(e).is_absolute() else root / e
+            images += _images_in(entry, path, split)
+        found[split] = tuple(images)
+    return DatasetSpec(path.resolve(), root, names, found)
+
+
+def read_labels(label_file: Path) -> np.ndarray:
+    """Labels of one image as float32 ``[n, 5]`` (class, cx, cy, w, h); empty when no file.
+
+    Assumes a validated dataset: malformed lines raise :class:`DatasetError` naming the file.
+    """
+    if not label_file.is_file():
+        return np.zeros((0, 5), np.float32)
+    rows = [ln.split() for ln in label_file.read_text().splitlines() if ln.strip()]
+    try:
+        arr = np.array(rows, dtype=np.float32).reshape(-1, 5)
+    except ValueError:
+        raise DatasetError(f"{label_file}: malformed label lines; run `detscale validate` for details") from None
+    return arr
+
+
+def write_data_yaml(out: Path, names: Iterable[str], train: str | Path, val: str | Path, root: str | Path) -> None:
+    """Write a data.yaml in the common layout (names as a mapping id -> name)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"path": str(root), "train": str(train), "val": str(val), "names": dict(enumerate(names))}
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -1,0 +1,10 @@
+"""The one exception type for user mistakes: the CLI prints its message, never a traceback."""
+
+
+class UserError(Exception):
+    """A problem the user can fix (config, dataset, command line, environment).
+
+    The message must say what is wrong, where, and how to fix it.
+    """
+
+    exit_code = 2
