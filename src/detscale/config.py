@@ -322,11 +322,15 @@ def _semantic_checks(cfg: ExperimentConfig, base: Path) -> None:
             problems.append(f"'dataset.synthetic.objects': got [{lo}, {hi}]; the minimum must not exceed the maximum")
         slo, shi = d.synthetic.object_size
         if slo > shi:
-            problems.append(f"'dataset.synthetic.object_size': got [{slo}, {shi}]; the minimum must not exceed the maximum")
+            problems.append(
+                f"'dataset.synthetic.object_size': got [{slo}, {shi}]; the minimum must not exceed the maximum"
+            )
     g = cfg.grid
     for n in g.gpus:
         if n % g.nodes:
-            problems.append(f"'grid.gpus': got {n} with nodes {g.nodes}; every GPU count must divide by the number of nodes")
+            problems.append(
+                f"'grid.gpus': got {n} with nodes {g.nodes}; every GPU count must divide by the number of nodes"
+            )
     if g.scaling == "strong":
         for b, n in itertools.product(g.batch, g.gpus):
             if b % n:
@@ -375,3 +379,33 @@ def save(cfg: ExperimentConfig, path: str | Path, extra: Mapping[str, Any] | Non
     if extra:
         data.update(extra)
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def reference_rows(schema: Mapping[str, Any] | None = None, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every leaf key of the schema: the README's reference."""
+    schema = load_schema() if schema is None else schema
+    rows: list[tuple[str, str, str, str]] = []
+    for name, sub in schema.get("properties", {}).items():
+        key = f"{prefix}{name}"
+        if sub.get("type") == "object" and "properties" in sub:
+            rows += reference_rows(sub, prefix=f"{key}.")
+            continue
+        if "enum" in sub:
+            kind = " \\| ".join(map(str, sub["enum"]))
+        elif sub.get("type") == "array":
+            item = sub.get("items", {})
+            kind = "list of " + (" \\| ".join(map(str, item["enum"])) if "enum" in item else item.get("type", "any"))
+        else:
+            kind = str(sub.get("type", "any"))
+        default = json.dumps(sub["default"]) if "default" in sub else "required" if name in schema.get(
+            "required", []) else "-"
+        desc = " ".join(str(sub.get("description", "")).split())
+        rows.append((key, kind, default, desc))
+    return rows
+
+
+def reference_markdown() -> str:
+    """The README's configuration reference table, generated from the schema."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{k}` | {t} | `{d}` | {m} |" for k, t, d, m in reference_rows()]
+    return "\n".join(lines)
