@@ -10,7 +10,7 @@ CORES ?= all
 # The torch releases this project's build machines carry locally; see README "Installing".
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup run test lint clean help
+.PHONY: setup run test clean help
 
 help:
 	@echo "make run    set up and run the whole pipeline on $(CONFIG), ending in results/report/index.html"
@@ -19,19 +19,21 @@ help:
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_PINS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]' $(TORCH_PINS)
 	@touch $(STAMP)
 
 setup: $(STAMP)
 
+# The rules call `detscale` and `torchrun`: the venv's bin goes first on PATH.
+export PATH := $(abspath $(BIN)):$(PATH)
+
 run: $(STAMP)
-	$(BIN)/snakemake --cores $(CORES) --configfile $(CONFIG) --printshellcmds
+	snakemake --cores $(CORES) --configfile $(CONFIG) --printshellcmds
 	@echo "report: results/report/index.html"
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests workflow/scripts
-	$(BIN)/python -m pytest tests
+	ruff check src tests benchmarks
+	python -m pytest tests
 
 clean:
 	rm -rf results logs benchmarks/out .snakemake
