@@ -1,0 +1,161 @@
+"""Assemble the scaling report of a set of finished runs: CSV, Markdown, plots and index.html."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from detscale import config as dsconfig
+from detscale.report import html, plots, tables
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """Where the report's files were written."""
+
+    csv: Path
+    markdown: Path
+    html: Path
+    plots: dict[str, Path]
+
+
+def _span(values: Sequence[Any]) -> str:
+    vals = sorted(set(values))
+    return str(vals[0]) if len(vals) == 1 else f"{vals[0]}–{vals[-1]}"
+
+
+def overlapping_pairs(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]] | None:
+    """Pairs of runs whose training intervals overlapped; None when the runs did not record them."""
+    spans = [(r["run"], r["started_at"], r["finished_at"]) for r in rows]
+    if any(math.isnan(s) or math.isnan(f) for _, s, f in spans):
+        return None
+    spans.sort(key=lambda x: x[1])
+    return [(a, b) for i, (a, _, fa) in enumerate(spans) for b, sb, _ in spans[i + 1:] if sb < fa]
+
+
+def placement_note(cfg: dsconfig.ExperimentConfig, rows: Sequence[Mapping[str, Any]]) -> str:
+    """How the timed runs were placed on the machine(s), from the config and the recorded intervals."""
+    if cfg.placement.allow_overlap:
+        text = ("Placement: overlapping allowed (placement.allow_overlap: true): timed runs could train at the "
+                "same time, each on its own GPUs (`detscale launch` claims cards with file locks), but sharing "
+                "the host's CPUs, memory bandwidth and I/O.")
+    else:
+        text = ("Placement: exclusive (placement.allow_overlap: false): the workflow ran timed training runs one "
+                "at a time (every train job holds the Snakemake resource timed_run=1, limit 1), so no two "
+                "measured runs shared GPUs or CPUs.")
+    pairs = overlapping_pairs(rows)
+    if pairs is None:
+        text += " The runs did not record their start and end times, so actual overlap was not checked."
+    elif pairs:
+        text += " Recorded overlaps: " + ", ".join(f"{a} with {b}" for a, b in pairs) + "."
+    else:
+        text += " The recorded start and end times confirm that no two runs overlapped."
+    return text
+
+
+def device_note(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig,
+                envs: Mapping[str, Mapping[str, Any]]) -> str:
+    """What a "GPU" is in this report: a CUDA device, or a CPU rank on a host without one."""
+    devices = {r["device"] for r in rows}
+    if devices == {"cpu"}:
+        hosts = sorted({str(e.get("host", e.get("hostname", "?"))) for e in envs.values()})
+        return (f"Device: CPU. No GPU was used: every \"GPU\" in this report is one CPU rank (backend "
+                f"{_span([r['backend'] for r in rows])}, {cfg.train.cpu_threads_per_rank} torch thread(s) per "
+                f"rank) on host {', '.join(hosts)}. CPU scaling is an analogue of adding cards, not a GPU figure.")
+    if devices == {"cuda"}:
+        return f"Device: CUDA GPUs (backend {_span([r['backend'] for r in rows])}); one rank per GPU."
+    return (f"Devices differ between runs ({', '.join(sorted(devices))}): compare only runs of one device; on CPU "
+            "\"GPUs\" are CPU ranks.")
+
+
+def methods(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig) -> list[str]:
+    """One sentence per reported quantity: what it is and how it was measured."""
+    scaling = _span([r["scaling"] for r in rows])
+    unit = "GPU" if {r["device"] for r in rows} == {"cuda"} else "GPU (CPU rank on a host without CUDA)"
+    return [
+        f"Ranks: {_span([r['gpus'] for r in rows])} per run over {_span([r['nodes'] for r in rows])} node(s), one "
+        f"process per {unit} started by torchrun.",
+        f"Batch: scaling mode {scaling}; 'weak' keeps the per-GPU batch fixed (global batch = per-GPU batch × GPUs), "
+        f"'strong' divides a fixed global batch. Per-GPU batch {_span([r['batch_per_gpu'] for r in rows])}, global "
+        f"batch {_span([r['global_batch'] for r in rows])}; gradients accumulate to the nominal batch "
+        f"{cfg.train.nominal_batch}; learning-rate scaling rule: {cfg.train.lr_scaling}.",
+        f"Throughput (img/s): images trained per second of wall time in the steady state, summed over ranks. The "
+        f"first {_span([r['warmup_steps'] for r in rows])} warm-up steps are excluded "
+        f"({_span([r['measured_steps'] for r in rows])} steps measured); on CUDA the clock is read after "
+        "synchronising. img/s per GPU = throughput / GPUs.",
+        "Speed-up(N) = throughput(N) / throughput of the 1-GPU run of the same experiment point (median over its "
+        "repeats; the smallest GPU count when a point has no 1-GPU run). Efficiency = speed-up / N (relative to "
+        "the baseline's GPU count). Δ mAP = mAP(N) − median mAP of the baseline runs.",
+        "Data wait share: fraction of each step spent blocked on the data loader; the rest (compute share) is "
+        "forward, backward, all-reduce and optimizer. Step time = global batch / throughput.",
+        "Peak memory per GPU: the largest rank's peak, in GB (10^9 bytes): allocated CUDA memory on GPUs, peak "
+        f"resident set size (RSS) of the rank process on CPU (kinds here: {_span([r['mem_kind'] for r in rows])}).",
+        "Epoch time: median wall time of the epochs after the first (the first pays start-up); scaling.csv also "
+        "has the first epoch and the total training time.",
+        f"mAP: COCO mAP@0.5 and mAP@0.5:0.95 of the final EMA weights on {_span([r['num_images'] for r in rows])} "
+        f"validation images (`detscale evaluate`, faster-coco-eval, the numbers pycocotools gives), confidence "
+        f"≥ {cfg.eval.conf}, NMS IoU {cfg.eval.iou}, at most {cfg.eval.max_det} detections per image.",
+        f"Repeats: {cfg.grid.repeats} per experiment point (same seed {cfg.grid.seed}); tables show the median and "
+        "(min–max) over repeats.",
+        placement_note(cfg, rows),
+    ]
+
+
+def _write_atomic(text: str | bytes, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    if isinstance(text, bytes):
+        tmp.write_bytes(text)
+    else:
+        tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_dir: str | Path) -> ReportFiles:
+    """Read the runs, write ``scaling.csv``, ``scaling.md``, ``plots/*.png`` and ``index.html`` under ``out_dir``.
+
+    Every file is written beside its final name and renamed into place, so an interrupted report
+    leaves no half-written file behind.
+    """
+    if not run_dirs:
+        raise tables.ReportError("no run folders given; pass --runs results/runs/RUN_ID ...")
+    config_path = Path(config_path)
+    cfg = dsconfig.load(config_path)
+    runs = [tables.load_run(d, cfg) for d in run_dirs]
+    rows = tables.scaling_rows(runs)
+    envs = {r.point.run_id: r.env for r in runs}
+    notes = [device_note(rows, cfg, envs)]
+    notes += [f"Experiment point {g}: no 1-GPU run; speed-ups are relative to {b} GPUs."
+              for g, b in sorted({(r["group"], r["baseline_gpus"]) for r in rows if r["baseline_gpus"] != 1})]
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".plots-") as tmp:
+        drawn = plots.make_plots(rows, tmp)
+        plot_dir = out / "plots"
+        plot_dir.mkdir(exist_ok=True)
+        plot_paths = {}
+        for name, path in drawn.items():
+            plot_paths[name] = plot_dir / path.name
+            shutil.move(path, plot_paths[name])
+
+    csv_path = out / "scaling.csv"
+    tmp_csv = tables.write_csv(rows, out / ".scaling.csv.tmp")
+    os.replace(tmp_csv, csv_path)
+    md_path = out / "scaling.md"
+    _write_atomic(tables.markdown(rows, notes + [methods(rows, cfg)[-1]]) + "\n", md_path)
+    run_configs = {r.point.run_id: (r.run_dir / "config.yaml").read_text() for r in runs}
+    page = html.render(rows, plot_paths, notes, methods(rows, cfg), envs, config_path.read_text(),
+                       str(config_path), run_configs)
+    html_path = out / "index.html"
+    _write_atomic(page, html_path)
+    log.info("report of %d run(s) written to %s", len(rows), out)
+    return ReportFiles(csv_path, md_path, html_path, plot_paths)

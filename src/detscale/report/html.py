@@ -1,0 +1,131 @@
+"""The self-contained ``index.html``: tables, plots (base64 PNG), environment, config, methods.
+
+Nothing is loaded from outside the file (no scripts, stylesheets, fonts or image links), so the
+report can be mailed or archived as one file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from detscale.report import tables
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 75em; padding: 0 1em; color: #222; }
+h1, h2, h3 { font-weight: 600; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
+th { background: #f2f2f2; }
+td.l, th.l { text-align: left; }
+pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
+.note { background: #fff6d6; border-left: 4px solid #e0b000; padding: 0.5em 1em; }
+figure { display: inline-block; margin: 0.5em; vertical-align: top; }
+figure img { max-width: 36em; border: 1px solid #ddd; }
+figcaption { font-size: 0.9em; color: #555; }
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def table(header: Sequence[str], body: Sequence[Sequence[Any]], left: int = 0) -> str:
+    """An HTML table; the first ``left`` columns are left-aligned (text), the rest right-aligned."""
+    def cell(tag: str, i: int, v: Any) -> str:
+        cls = ' class="l"' if i < left else ""
+        return f"<{tag}{cls}>{_e(v)}</{tag}>"
+
+    head = "".join(cell("th", i, h) for i, h in enumerate(header))
+    rows = "".join("<tr>" + "".join(cell("td", i, v) for i, v in enumerate(r)) + "</tr>" for r in body)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+
+
+def image(path: Path, caption: str) -> str:
+    """A figure with the PNG embedded as a data URI."""
+    data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+    return (f'<figure><img alt="{_e(caption)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{_e(caption)}</figcaption></figure>")
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def environment_table(envs: Mapping[str, Mapping[str, Any]]) -> str:
+    """env.json of every run: one column per run, or one value column when all runs agree."""
+    flat = {run: _flatten(env) for run, env in envs.items()}
+    keys = sorted({k for env in flat.values() for k in env})
+    runs = list(flat)
+    same = all(len({repr(flat[r].get(k)) for r in runs}) == 1 for k in keys)
+    if same and runs:
+        return table(["key", "value (all runs)"], [[k, flat[runs[0]].get(k, "")] for k in keys], left=2)
+    return table(["key", *runs], [[k, *(flat[r].get(k, "") for r in runs)] for k in keys], left=len(runs) + 1)
+
+
+def render(
+    rows: Sequence[Mapping[str, Any]],
+    plots: Mapping[str, Path],
+    notes: Sequence[str],
+    methods: Sequence[str],
+    envs: Mapping[str, Mapping[str, Any]],
+    config_text: str,
+    config_path: str,
+    run_configs: Mapping[str, str],
+) -> str:
+    """The whole page as a string."""
+    from detscale.report.plots import PLOTS
+
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8"><title>detscale scaling report</title>',
+        f"<style>{CSS}</style></head><body>",
+        "<h1>detscale scaling report</h1>",
+        "<p>What do N GPUs buy, and does it cost accuracy?</p>",
+    ]
+    parts += [f'<p class="note">{_e(n)}</p>' for n in notes]
+    parts.append("<h2>Results by experiment point</h2>")
+    parts.append("<p>With repeats, each cell is the median and (min–max) over the repeats.</p>")
+    for group, entries in tables.summary(rows).items():
+        parts.append(f"<h3>{_e(group)}</h3>")
+        base = entries[0]["runs"][0]["baseline_gpus"]
+        if base != 1:
+            parts.append(f'<p class="note">No 1-GPU run in this group: speed-up, efficiency and Δ mAP are '
+                         f"relative to {_e(base)} GPUs.</p>")
+        header, body = tables.summary_table(entries)
+        parts.append(table(header, body))
+    parts.append("<h2>Plots</h2>")
+    parts += [image(path, PLOTS.get(name, name)) for name, path in plots.items()]
+    parts.append("<h2>Every run</h2>")
+    cols = ["run", "gpus", "global_batch", "images_per_s", "speedup", "efficiency", "data_wait_share",
+            "peak_mem_gb_per_gpu", "epoch_seconds", "map50", "map50_95", "delta_map50_95_vs_1gpu"]
+    parts.append(table(cols, [[_fmt(r[c]) for c in cols] for r in rows], left=1))
+    parts.append("<p>All measured fields: <code>scaling.csv</code> beside this page.</p>")
+    parts.append("<h2>How every number was measured</h2><ul>")
+    parts += [f"<li>{_e(m)}</li>" for m in methods]
+    parts.append("</ul>")
+    parts.append("<h2>Environment</h2>")
+    parts.append(environment_table(envs))
+    parts.append(f"<h2>Configuration</h2><p>The experiment config <code>{_e(config_path)}</code>, exactly:</p>")
+    parts.append(f"<pre>{_e(config_text)}</pre>")
+    for run, text in run_configs.items():
+        parts.append(f"<details><summary>frozen config of run <code>{_e(run)}</code> (with the derived training "
+                     f"semantics)</summary><pre>{_e(text)}</pre></details>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

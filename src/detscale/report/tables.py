@@ -1,0 +1,333 @@
+"""Read the measured artifacts of finished runs and turn them into the scaling tables.
+
+Only JSON/YAML written by the code that measured the numbers is read (``timing.json``,
+``eval.json``, ``env.json``, ``config.yaml``), never log text. Derived numbers follow the
+design's measurement rules:
+
+- speed-up(N) = throughput(N) / throughput(baseline) within one group (same experiment point
+  except the GPU count); the baseline is the 1-GPU run (the median over its repeats), or the
+  smallest GPU count of the group when it has no 1-GPU run;
+- efficiency = speed-up / (N / baseline GPUs), which is speed-up / N for a 1-GPU baseline;
+- delta mAP = mAP(run) - median mAP of the baseline runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from detscale import config as dsconfig
+from detscale.errors import UserError
+
+log = logging.getLogger(__name__)
+
+TIMING_KEYS = (
+    "world_size", "device", "backend", "batch_per_rank", "global_batch", "warmup_steps", "measured_steps",
+    "images_per_s", "images_per_s_per_rank", "data_wait_share", "compute_share", "epoch_seconds",
+    "val_seconds", "train_seconds", "peak_mem_bytes_per_rank", "mem_kind",
+)
+EVAL_KEYS = ("map50_95", "map50", "map75", "map_small", "map_medium", "map_large", "ar100", "num_images")
+
+# The contract's columns of scaling.csv, first and in this order; more measured fields follow.
+CONTRACT_COLUMNS = (
+    "run", "model", "imgsz", "device", "gpus", "batch_per_gpu", "global_batch", "cache", "precision", "repeat",
+    "images_per_s", "images_per_s_per_gpu", "speedup", "efficiency", "data_wait_share", "peak_mem_gb_per_gpu",
+    "epoch_seconds", "map50", "map50_95", "delta_map50_95_vs_1gpu",
+)
+EXTRA_COLUMNS = (
+    "group", "nodes", "scaling", "epochs", "backend", "baseline_gpus", "images_per_s_rank_min",
+    "images_per_s_rank_max", "compute_share", "step_ms", "data_wait_ms", "compute_ms", "mem_kind",
+    "epoch_seconds_first", "train_seconds", "val_seconds", "warmup_steps", "measured_steps", "map75",
+    "map_small", "map_medium", "map_large", "ar100", "delta_map50_vs_1gpu", "num_images", "started_at",
+    "finished_at", "run_dir",
+)
+COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
+
+GB = 1e9  # peak memory is reported in GB (10^9 bytes)
+
+
+class ReportError(UserError):
+    """A run folder that cannot be reported; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class RunArtifacts:
+    """Everything the report reads from one run folder."""
+
+    run_dir: Path
+    point: dsconfig.RunPoint
+    timing: dict[str, Any]
+    evaluation: dict[str, Any]
+    env: dict[str, Any]
+    run_config: dict[str, Any]
+
+
+def _read_json(path: Path, required: Iterable[str], what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ReportError(f"{path} does not exist; {what}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path} is not valid JSON ({exc}); delete the run folder and re-run it") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ReportError(
+            f"{path} lacks the key(s) {', '.join(missing)} of the artifact contract; it was written by another "
+            "version of detscale: re-run the run"
+        )
+    return data
+
+
+def _point_from_run_config(run_id: str, run_config: Mapping[str, Any], path: Path) -> dsconfig.RunPoint:
+    """The grid point of ``run_id`` from the run's own frozen config (sections outside the schema dropped)."""
+    known = set(dsconfig.load_schema()["properties"])
+    raw = {k: v for k, v in run_config.items() if k in known}
+    try:
+        return dsconfig.from_dict(raw, source=str(path)).run(run_id)
+    except dsconfig.ConfigError as exc:
+        raise ReportError(
+            f"cannot tell the grid point of run '{run_id}' from {path}: {exc}\n"
+            "Pass the experiment config that produced the run with --config"
+        ) from None
+
+
+def load_run(run_dir: str | Path, cfg: dsconfig.ExperimentConfig | None = None) -> RunArtifacts:
+    """Read one finished run folder (``results/runs/RUN_ID``; the folder name is the run id).
+
+    The grid point comes from ``cfg`` when the run is in its grid, else from the run's ``config.yaml``.
+    """
+    run_dir = Path(run_dir)
+    run_id = run_dir.name
+    if not run_dir.is_dir():
+        raise ReportError(f"run folder {run_dir} does not exist; pass folders written by `detscale train`")
+    timing = _read_json(run_dir / "timing.json", TIMING_KEYS, "train the run first (`detscale train`)")
+    evaluation = _read_json(run_dir / "eval.json", EVAL_KEYS, "evaluate the run first (`detscale evaluate`)")
+    env = _read_json(run_dir / "env.json", (), "it is written by `detscale train`; re-run the run")
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise ReportError(f"{cfg_path} does not exist; it is written by `detscale train`; re-run the run")
+    run_config = yaml.safe_load(cfg_path.read_text()) or {}
+    if cfg is not None and run_id in {p.run_id for p in cfg.runs()}:
+        point = cfg.run(run_id)
+    else:
+        point = _point_from_run_config(run_id, run_config, cfg_path)
+    if int(timing["world_size"]) != point.gpus:
+        raise ReportError(
+            f"{run_dir / 'timing.json'} says world_size {timing['world_size']} but run '{run_id}' asks for "
+            f"{point.gpus} GPUs; the folder holds another run's results: delete it and re-run"
+        )
+    return RunArtifacts(run_dir, point, timing, evaluation, env, run_config)
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else math.nan
+
+
+def _as_float(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def run_row(run: RunArtifacts) -> dict[str, Any]:
+    """The measured (not yet relative) fields of one run, as one ``scaling.csv`` row."""
+    p, t, e = run.point, run.timing, run.evaluation
+    ips = float(t["images_per_s"])
+    per_rank = [float(x) for x in t["images_per_s_per_rank"]] or [math.nan]
+    epochs = [float(x) for x in t["epoch_seconds"]]
+    peak = [float(x) for x in t["peak_mem_bytes_per_rank"]] or [math.nan]
+    # One step moves one batch per rank; ranks step together, so a step lasts global batch / global rate.
+    step_ms = 1000.0 * float(t["global_batch"]) / ips if ips > 0 else math.nan
+    wait, compute = float(t["data_wait_share"]), float(t["compute_share"])
+    epochs_cfg = (run.run_config.get("grid") or {}).get("epochs")
+    return {
+        "run": p.run_id,
+        "model": p.model,
+        "imgsz": p.imgsz,
+        "device": t["device"],
+        "gpus": p.gpus,
+        "batch_per_gpu": int(t["batch_per_rank"]),
+        "global_batch": int(t["global_batch"]),
+        "cache": p.cache,
+        "precision": p.precision,
+        "repeat": p.repeat,
+        "images_per_s": ips,
+        "images_per_s_per_gpu": ips / p.gpus,
+        "speedup": math.nan,
+        "efficiency": math.nan,
+        "data_wait_share": wait,
+        "peak_mem_gb_per_gpu": max(peak) / GB,
+        # The first epoch pays for start-up (workers, allocator); the median epoch is the typical one.
+        "epoch_seconds": _median(epochs[1:] if len(epochs) > 1 else epochs),
+        "map50": float(e["map50"]),
+        "map50_95": float(e["map50_95"]),
+        "delta_map50_95_vs_1gpu": math.nan,
+        "group": p.group,
+        "nodes": p.nodes,
+        "scaling": p.scaling,
+        "epochs": epochs_cfg if epochs_cfg is not None else len(epochs),
+        "backend": t["backend"],
+        "baseline_gpus": math.nan,
+        "images_per_s_rank_min": min(per_rank),
+        "images_per_s_rank_max": max(per_rank),
+        "compute_share": compute,
+        "step_ms": step_ms,
+        "data_wait_ms": step_ms * wait,
+        "compute_ms": step_ms * compute,
+        "mem_kind": t["mem_kind"],
+        "epoch_seconds_first": epochs[0] if epochs else math.nan,
+        "train_seconds": _as_float(t["train_seconds"]),
+        "val_seconds": _as_float(t["val_seconds"]),
+        "warmup_steps": int(t["warmup_steps"]),
+        "measured_steps": int(t["measured_steps"]),
+        "map75": _as_float(e["map75"]),
+        "map_small": _as_float(e["map_small"]),
+        "map_medium": _as_float(e["map_medium"]),
+        "map_large": _as_float(e["map_large"]),
+        "ar100": _as_float(e["ar100"]),
+        "delta_map50_vs_1gpu": math.nan,
+        "num_images": int(e["num_images"]),
+        "started_at": _as_float(t.get("started_at")),
+        "finished_at": _as_float(t.get("finished_at")),
+        "run_dir": str(run.run_dir),
+    }
+
+
+def add_relative(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fill speed-up, efficiency and delta mAP of every row against its group's baseline (in place)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(row["group"], []).append(row)
+    for group, members in groups.items():
+        base_gpus = 1 if any(r["gpus"] == 1 for r in members) else min(r["gpus"] for r in members)
+        if base_gpus != 1:
+            log.warning("group %s has no 1-GPU run; speed-ups are relative to %d GPUs", group, base_gpus)
+        base = [r for r in members if r["gpus"] == base_gpus]
+        base_ips = _median([r["images_per_s"] for r in base])
+        base_map = _median([r["map50_95"] for r in base])
+        base_map50 = _median([r["map50"] for r in base])
+        for r in members:
+            r["baseline_gpus"] = base_gpus
+            r["speedup"] = r["images_per_s"] / base_ips if base_ips > 0 else math.nan
+            r["efficiency"] = r["speedup"] / (r["gpus"] / base_gpus)
+            r["delta_map50_95_vs_1gpu"] = r["map50_95"] - base_map
+            r["delta_map50_vs_1gpu"] = r["map50"] - base_map50
+    return rows
+
+
+def scaling_rows(runs: Sequence[RunArtifacts]) -> list[dict[str, Any]]:
+    """One row per run, sorted by group, GPUs and repeat, with the relative fields filled in."""
+    ids = [r.point.run_id for r in runs]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ReportError(f"run(s) {', '.join(dupes)} given more than once; pass each run folder once")
+    rows = add_relative([run_row(r) for r in runs])
+    return sorted(rows, key=lambda r: (r["group"], r["gpus"], r["repeat"]))
+
+
+def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """``scaling.csv``: the contract's columns first, then every other measured field."""
+    import pandas as pd
+
+    frame = pd.DataFrame(list(rows), columns=list(COLUMNS))
+    path = Path(path)
+    frame.to_csv(path, index=False, float_format="%.6g")
+    return path
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Median and range of one quantity over the repeats of one point."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stat:
+        vals = [v for v in values if not math.isnan(v)]
+        if not vals:
+            return cls(math.nan, math.nan, math.nan, 0)
+        return cls(_median(vals), min(vals), max(vals), len(vals))
+
+    def format(self, fmt: str) -> str:
+        if self.n == 0:
+            return "n/a"
+        text = format(_clean(self.median), fmt)
+        if self.n > 1:
+            text += f" ({format(_clean(self.low), fmt)}–{format(_clean(self.high), fmt)})"
+        return text
+
+
+def _clean(value: float) -> float:
+    """Rounding noise (0.40 - 0.41 + 0.01) shown as 0, not -0.000."""
+    return 0.0 if abs(value) < 1e-9 else value
+
+
+# (heading, column, format) of the human table; percentages are multiplied by 100 first.
+SUMMARY_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("img/s", "images_per_s", ".1f"),
+    ("img/s per GPU", "images_per_s_per_gpu", ".1f"),
+    ("speed-up", "speedup", ".2f"),
+    ("efficiency %", "efficiency", ".0%"),
+    ("data wait %", "data_wait_share", ".0%"),
+    ("peak mem GB/GPU", "peak_mem_gb_per_gpu", ".2f"),
+    ("epoch s", "epoch_seconds", ".1f"),
+    ("mAP@0.5", "map50", ".3f"),
+    ("mAP@0.5:0.95", "map50_95", ".3f"),
+    ("Δ mAP@0.5:0.95", "delta_map50_95_vs_1gpu", "+.3f"),
+)
+
+
+def summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per group, one entry per GPU count: the repeats' runs and a :class:`Stat` per summary field."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for group in sorted({r["group"] for r in rows}):
+        members = [r for r in rows if r["group"] == group]
+        entries = []
+        for gpus in sorted({r["gpus"] for r in members}):
+            runs = [r for r in members if r["gpus"] == gpus]
+            entry: dict[str, Any] = {"gpus": gpus, "global_batch": runs[0]["global_batch"], "runs": runs}
+            entry.update({col: Stat.of([float(r[col]) for r in runs]) for _, col, _ in SUMMARY_FIELDS})
+            entries.append(entry)
+        out[group] = entries
+    return out
+
+
+def summary_table(entries: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Header and formatted cells of one group's human table."""
+    header = ["GPUs", "global batch", "repeats"] + [h for h, _, _ in SUMMARY_FIELDS]
+    body = []
+    for e in entries:
+        cells = [str(e["gpus"]), str(e["global_batch"]), str(len(e["runs"]))]
+        cells += [e[col].format(fmt) for _, col, fmt in SUMMARY_FIELDS]
+        body.append(cells)
+    return header, body
+
+
+def markdown(rows: Sequence[Mapping[str, Any]], notes: Sequence[str] = ()) -> str:
+    """``scaling.md``: one table per experiment point (group); repeats as median (min–max)."""
+    lines = ["# Scaling results", ""]
+    lines += [f"- {n}" for n in notes]
+    if notes:
+        lines.append("")
+    for group, entries in summary(rows).items():
+        base = entries[0]["runs"][0]["baseline_gpus"]
+        lines += [f"## {group}", ""]
+        if base != 1:
+            lines += [f"No 1-GPU run in this group: speed-up, efficiency and Δ mAP are relative to {base} GPUs.", ""]
+        header, body = summary_table(entries)
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join("---:" for _ in header) + "|")
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        lines += ["", "Runs: " + ", ".join(f"`{r['run']}`" for e in entries for r in e["runs"]), ""]
+    return "\n".join(lines)
