@@ -1,0 +1,220 @@
+"""Running inside a Slurm allocation: what Slurm gave the job, and multi-node ``torchrun``.
+
+``detscale launch --nodes M`` runs inside one Slurm job that holds ``M`` nodes. It does not start
+the ranks itself: :func:`multinode_command` builds one ``srun`` step with one task per node, and
+each task is a ``torchrun`` agent that starts this node's ranks. The agents meet through c10d
+rendezvous on the first node of the allocation (the agent whose host matches the endpoint hosts
+the store), keyed by the Slurm job id, so a requeued job gets a fresh rendezvous.
+
+The Snakemake Slurm job-step executor removes most ``SLURM_*`` variables before running a rule's
+command, so the node list is looked up from ``scontrol`` when the environment lacks it. The
+tasks that ``srun`` starts get a complete Slurm environment again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from detscale.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class SlurmError(UserError):
+    """Slurm is needed but missing, or the allocation does not match what was asked for."""
+
+
+def job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The Slurm job id of this process, or ``None`` outside a Slurm job."""
+    env = os.environ if env is None else env
+    return env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None
+
+
+def in_slurm_job(env: Mapping[str, str] | None = None) -> bool:
+    """True inside a Slurm job (batch script, job step or ``salloc`` shell)."""
+    return job_id(env) is not None
+
+
+def visible_gpus(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """The GPUs Slurm (or the user) assigned to this process, from ``CUDA_VISIBLE_DEVICES``.
+
+    ``None`` when the variable is unset (every card is visible); an empty list when it is set
+    but empty or ``-1`` (no card may be used). Slurm sets it for a job step with ``--gpus``.
+    """
+    env = os.environ if env is None else env
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    return [] if items in ([], ["-1"]) else items
+
+
+def gpus_on_node(env: Mapping[str, str] | None = None) -> int | None:
+    """How many GPUs Slurm allocated to this job on this node (``SLURM_GPUS_ON_NODE``), if known."""
+    env = os.environ if env is None else env
+    value = env.get("SLURM_GPUS_ON_NODE", "").strip()
+    return int(value) if value.isdigit() else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Host lists
+# ---------------------------------------------------------------------------------------------
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _split_top_level(expr: str) -> list[str]:
+    """Split ``a[1-2],b,c[3,5]`` on the commas that are outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(expr):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise SlurmError(f"malformed Slurm host list {expr!r}: unbalanced ']'")
+        elif ch == "," and depth == 0:
+            parts.append(expr[start:i])
+            start = i + 1
+    if depth != 0:
+        raise SlurmError(f"malformed Slurm host list {expr!r}: unbalanced '['")
+    parts.append(expr[start:])
+    return [p for p in parts if p]
+
+
+def _expand_one(item: str, whole: str) -> list[str]:
+    """Expand one host pattern with any number of bracket groups (``r[1-2]n[01-02]``)."""
+    match = re.search(r"\[([^\]]*)\]", item)
+    if match is None:
+        return [item]
+    prefix, suffix = item[: match.start()], item[match.end():]
+    names = []
+    for piece in match.group(1).split(","):
+        rng = _RANGE.match(piece.strip())
+        if rng is None:
+            raise SlurmError(f"malformed Slurm host list {whole!r}: cannot read range {piece!r}")
+        lo, hi = rng.group(1), rng.group(2) or rng.group(1)
+        if int(hi) < int(lo):
+            raise SlurmError(f"malformed Slurm host list {whole!r}: range {piece!r} runs backwards")
+        width = len(lo)  # zero padding is kept: n[08-10] -> n08, n09, n10
+        for number in range(int(lo), int(hi) + 1):
+            names.extend(_expand_one(f"{prefix}{number:0{width}d}{suffix}", whole))
+    return names
+
+
+def expand_hostlist(expr: str) -> list[str]:
+    """Expand a Slurm host list expression the way ``scontrol show hostnames`` does.
+
+    ``"gpu[01-03,07],login1"`` -> ``["gpu01", "gpu02", "gpu03", "gpu07", "login1"]``.
+    """
+    expr = expr.strip()
+    if not expr:
+        raise SlurmError("empty Slurm host list")
+    hosts: list[str] = []
+    for item in _split_top_level(expr):
+        hosts.extend(_expand_one(item, expr))
+    return hosts
+
+
+def _nodelist_from_scontrol(jid: str) -> str:
+    """The job's node list as Slurm knows it (for environments that dropped ``SLURM_JOB_NODELIST``)."""
+    if shutil.which("scontrol") is None:
+        raise SlurmError(
+            f"cannot find the nodes of Slurm job {jid}: SLURM_JOB_NODELIST is not set and `scontrol` "
+            "is not on PATH; run `detscale launch --nodes M` inside the Slurm job (sbatch/salloc)"
+        )
+    proc = subprocess.run(
+        ["scontrol", "show", "job", "--oneliner", jid], capture_output=True, text=True, timeout=60
+    )
+    match = re.search(r"(?:^|\s)NodeList=(\S+)", proc.stdout)
+    if proc.returncode != 0 or match is None or match.group(1) == "(null)":
+        raise SlurmError(
+            f"cannot find the nodes of Slurm job {jid} with `scontrol show job`: "
+            f"{(proc.stderr or proc.stdout).strip() or 'no NodeList in its answer'}"
+        )
+    return match.group(1)
+
+
+def job_nodes(env: Mapping[str, str] | None = None) -> list[str]:
+    """The host names of this job's allocation, in Slurm's order (the first one hosts rendezvous)."""
+    env = os.environ if env is None else env
+    jid = job_id(env)
+    if jid is None:
+        raise SlurmError(
+            "multi-node training needs a Slurm allocation (SLURM_JOB_ID is not set): submit it with "
+            "`sbatch --nodes M` or run the workflow with `--profile profiles/slurm`, or use --nodes 1"
+        )
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or _nodelist_from_scontrol(jid)
+    return expand_hostlist(nodelist)
+
+
+# ---------------------------------------------------------------------------------------------
+# The multi-node command
+# ---------------------------------------------------------------------------------------------
+
+
+def multinode_command(
+    nodes: int,
+    gpus_per_node: int,
+    train_argv: Sequence[str],
+    max_restarts: int,
+    port: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    python: str | None = None,
+) -> list[str]:
+    """The argv that runs ``detscale <train_argv>`` on ``nodes`` x ``gpus_per_node`` ranks.
+
+    One ``srun`` step with one task per node; each task is a ``torchrun`` agent (started as
+    ``python -m torch.distributed.run`` with the current interpreter, so the same environment
+    runs everywhere) that joins the c10d rendezvous at ``FIRST_NODE:port`` under the job id.
+    ``train_argv`` starts with the subcommand, e.g. ``["train", "--config", ...]``.
+
+    ``--overlap`` lets the step start even when the caller itself runs inside a job step that
+    holds the node's CPUs (Snakemake's job-step executor wraps rules in ``srun``);
+    ``--kill-on-bad-exit`` ends every agent when one fails instead of leaving them waiting on
+    the rendezvous until its timeout.
+    """
+    if nodes < 1 or gpus_per_node < 1:
+        raise SlurmError(f"nodes and GPUs per node must be >= 1, got nodes={nodes}, gpus_per_node={gpus_per_node}")
+    if max_restarts < 0:
+        raise SlurmError(f"max_restarts must be >= 0, got {max_restarts}")
+    if not 1 <= port <= 65535:
+        raise SlurmError(f"rendezvous port must be in 1..65535, got {port}")
+    if not train_argv:
+        raise SlurmError("multi-node launch needs the detscale command to run on every rank (e.g. `train ...`)")
+    env = os.environ if env is None else env
+    hosts = job_nodes(env)
+    if len(hosts) < nodes:
+        raise SlurmError(
+            f"--nodes {nodes} asked for, but Slurm job {job_id(env)} holds {len(hosts)} node(s) "
+            f"({', '.join(hosts)}); submit it with `--nodes {nodes}` (the rule's `nodes` resource)"
+        )
+    head = hosts[0]
+    log.info("multi-node: %d node(s) x %d rank(s), rendezvous on %s:%d", nodes, gpus_per_node, head, port)
+    return [
+        "srun",
+        f"--nodes={nodes}",
+        f"--ntasks={nodes}",
+        "--ntasks-per-node=1",
+        "--overlap",
+        "--kill-on-bad-exit=1",
+        python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nodes}",
+        f"--nproc-per-node={gpus_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={head}:{port}",
+        f"--rdzv-id={job_id(env)}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "detscale",
+        *train_argv,
+    ]
