@@ -86,6 +86,22 @@ def _images_in(entry: Path, where: Path, key: str) -> list[Path]:
     )
 
 
+def _resolve_root(raw_path: object, yaml_path: Path) -> Path:
+    """The dataset root: ``path`` from the yaml, relative to the yaml's folder.
+
+    YOLOv5 and YOLOv9 resolve a relative ``path`` against the repository they run from instead
+    (their ``data/coco.yaml`` says ``path: ../datasets/coco``), so when nothing exists relative
+    to the yaml but something does relative to the working directory, that is the root.
+    """
+    root = Path(str(raw_path)) if raw_path else Path(".")
+    if root.is_absolute():
+        return root
+    by_yaml = (yaml_path.parent / root).resolve()
+    if raw_path and not by_yaml.exists() and root.resolve().exists():
+        return root.resolve()
+    return by_yaml
+
+
 def load_spec(data_yaml: str | Path, splits: Sequence[str] = SPLITS) -> DatasetSpec:
     """Parse ``data_yaml``; every requested split must exist."""
     path = Path(data_yaml)
@@ -97,12 +113,11 @@ def load_spec(data_yaml: str | Path, splits: Sequence[str] = SPLITS) -> DatasetS
         raise DatasetError(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise DatasetError(f"{path}: expected a mapping with 'train', 'val' and 'names'")
-    root = Path(raw.get("path") or ".")
-    if not root.is_absolute():
-        root = (path.parent / root).resolve()
+    root = _resolve_root(raw.get("path"), path)
     names = _parse_names(raw.get("names"), path)
-    if "nc" in raw and int(raw["nc"]) != len(names):
-        raise DatasetError(f"{path}: 'nc' is {raw['nc']} but 'names' lists {len(names)} classes")
+    if "nc" in raw and (not isinstance(raw["nc"], int) or raw["nc"] != len(names)):
+        raise DatasetError(f"{path}: 'nc' is {raw['nc']!r} but 'names' lists {len(names)} classes; "
+                           "make them agree or remove 'nc'")
     found: dict[str, tuple[Path, ...]] = {}
     for split in splits:
         if not raw.get(split):

@@ -1,0 +1,114 @@
+"""The one YOLO reader: datasets laid out as Ultralytics and YOLOv9 users have them, read unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from detscale.data import formats
+
+
+def make_dataset(root: Path) -> dict[str, list[Path]]:
+    """images/{train,val} + labels/{train,val} + a val.txt list with './images/val/..' entries."""
+    files: dict[str, list[Path]] = {"train": [], "val": []}
+    for split, stems in (("train", ["a", "b", "c"]), ("val", ["x", "y"])):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "labels" / split).mkdir(parents=True)
+        for stem in stems:
+            image = root / "images" / split / f"{stem}.jpg"
+            image.write_bytes(b"\xff\xd8 not decoded by the reader \xff\xd9")
+            files[split].append(image)
+            if stem != "c":  # c is a background image: no label file
+                (root / "labels" / split / f"{stem}.txt").write_text("1 0.5 0.5 0.2 0.4\n0 0.25 0.25 0.1 0.1\n")
+    (root / "images" / "train" / "notes.md").write_text("not an image")
+    (root / "val.txt").write_text("./images/val/x.jpg\n./images/val/y.jpg\n")
+    return files
+
+
+def write_yaml(path: Path, doc: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("names", [["person", "car"], {0: "person", 1: "car"}])
+def test_ultralytics_layout_with_relative_path_folder_and_list(tmp_path, names):
+    files = make_dataset(tmp_path / "datasets" / "mini")
+    # Ultralytics keeps dataset yamls apart from the data, with `path` relative to the yaml.
+    yml = write_yaml(tmp_path / "cfg" / "mini.yaml",
+                     {"path": "../datasets/mini", "train": "images/train", "val": "val.txt", "nc": 2, "names": names})
+    spec = formats.load_spec(yml)
+    assert spec.names == ("person", "car") and spec.nc == 2
+    assert spec.root == (tmp_path / "datasets" / "mini").resolve()
+    assert list(spec.splits["train"]) == files["train"]  # folders: every image, sorted, no other files
+    assert list(spec.splits["val"]) == files["val"]  # './' entries resolved against the list's folder
+    labels = formats.read_labels(formats.label_path_for(spec.splits["val"][0]))
+    np.testing.assert_allclose(labels, [[1, 0.5, 0.5, 0.2, 0.4], [0, 0.25, 0.25, 0.1, 0.1]])
+    assert labels.dtype == np.float32
+    background = formats.read_labels(formats.label_path_for(files["train"][2]))
+    assert background.shape == (0, 5)
+
+
+def test_yaml_inside_the_dataset_without_path(tmp_path):
+    files = make_dataset(tmp_path)
+    yml = write_yaml(tmp_path / "data.yaml", {"train": ["images/train"], "val": "images/val", "names": ["a", "b"]})
+    spec = formats.load_spec(yml)
+    assert spec.root == tmp_path.resolve()
+    assert list(spec.splits["train"]) == files["train"] and list(spec.splits["val"]) == files["val"]
+
+
+def test_yolov9_layout_path_relative_to_the_working_directory(tmp_path, monkeypatch):
+    # YOLOv9 (as YOLOv5) resolves `path: ../datasets/coco` against the repository it runs from,
+    # with the yaml in <repo>/data/.
+    files = make_dataset(tmp_path / "datasets" / "mini")
+    repo = tmp_path / "yolov9"
+    yml = write_yaml(repo / "data" / "mini.yaml",
+                     {"path": "../datasets/mini", "train": "images/train", "val": "val.txt",
+                      "names": {0: "person", 1: "car"}})
+    monkeypatch.chdir(repo)
+    spec = formats.load_spec(Path("data/mini.yaml"))
+    assert spec.yaml_path == yml.resolve()
+    assert list(spec.splits["train"]) == files["train"] and list(spec.splits["val"]) == files["val"]
+
+
+def test_absolute_entries_and_nested_images_folder(tmp_path):
+    files = make_dataset(tmp_path / "d")
+    lst = tmp_path / "lists" / "train.txt"
+    lst.parent.mkdir()
+    lst.write_text("".join(f"{p}\n" for p in files["train"]) + "\n")
+    yml = write_yaml(tmp_path / "d.yaml", {"path": str(tmp_path / "d"), "train": str(lst), "val": "images/val",
+                                            "names": ["a", "b"]})
+    spec = formats.load_spec(yml)
+    assert list(spec.splits["train"]) == files["train"]
+    # The last `images` component is the one replaced.
+    assert formats.label_path_for(Path("/data/images/v1/images/train/a.png")) == Path(
+        "/data/images/v1/labels/train/a.txt")
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"train": "images/train", "names": ["a"]}, "'val' split is missing"),
+        ({"train": "images/train", "val": "images/val", "names": {0: "a", 2: "b"}}, "without gaps"),
+        ({"train": "images/train", "val": "images/val", "names": ["a"], "nc": 3}, "'nc' is 3"),
+        ({"train": "images/train", "val": "images/val", "names": ["a"], "nc": "two"}, "'nc'"),
+        ({"train": "nowhere", "val": "images/val", "names": ["a"]}, "neither a folder"),
+        ({"train": "images/train", "val": "images/val"}, "'names'"),
+    ],
+)
+def test_mistakes_are_named(tmp_path, doc, message):
+    make_dataset(tmp_path)
+    with pytest.raises(formats.DatasetError, match=message):
+        formats.load_spec(write_yaml(tmp_path / "data.yaml", doc))
+
+
+def test_missing_yaml_and_malformed_labels(tmp_path):
+    with pytest.raises(formats.DatasetError, match="does not exist"):
+        formats.load_spec(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.txt"
+    bad.write_text("0 0.5 0.5 0.1\n")
+    with pytest.raises(formats.DatasetError, match="detscale validate"):
+        formats.read_labels(bad)
