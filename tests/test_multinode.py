@@ -30,14 +30,15 @@ def _env(**values: str) -> dict[str, str]:
 def test_multinode_command_argv() -> None:
     argv = ["train", "--config", "c.yaml", "--run", "r1", "--out", "results/runs/r1"]
     cmd = multinode_command(2, 4, argv, max_restarts=3, port=29511,
-                            env=_env(SLURM_JOB_NODELIST="gpu[07-08]"), python="/venv/bin/python")
+                            env=_env(SLURM_JOB_NODELIST="gpu[07-08]"), python="/venv/bin/python",
+                            resolve=lambda name: f"{name}.ib")
     srun, torchrun = cmd[: cmd.index("/venv/bin/python")], cmd[cmd.index("/venv/bin/python"):]
     assert srun[0] == "srun"
     assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--overlap", "--kill-on-bad-exit=1"} <= set(srun)
     assert torchrun == [
         "/venv/bin/python", "-m", "torch.distributed.run",
         "--nnodes=2", "--nproc-per-node=4",
-        "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29511", "--rdzv-id=4242", "--max-restarts=3",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07.ib:29511", "--rdzv-id=4242", "--max-restarts=3",
         "-m", "detscale", *argv,
     ]
 
@@ -51,7 +52,7 @@ def test_multinode_command_falls_back_to_scontrol(monkeypatch: pytest.MonkeyPatc
         return "a[3-4],b1"
 
     monkeypatch.setattr(slurm, "_nodelist_from_scontrol", fake_scontrol)
-    cmd = multinode_command(3, 1, ["train"], 0, 1234, env=_env(), python="py")
+    cmd = multinode_command(3, 1, ["train"], 0, 1234, env=_env(), python="py", resolve=str)
     assert calls == ["4242"]
     assert "--rdzv-endpoint=a3:1234" in cmd
 

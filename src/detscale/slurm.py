@@ -19,7 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from detscale.errors import UserError
 
@@ -154,6 +154,25 @@ def job_nodes(env: Mapping[str, str] | None = None) -> list[str]:
     return expand_hostlist(nodelist)
 
 
+def node_address(name: str) -> str:
+    """The address other nodes reach ``name`` at: its ``NodeAddr`` in Slurm, else the name itself.
+
+    Slurm node names need not resolve (``NodeName=gpu1 NodeAddr=10.0.0.5``), and the rendezvous
+    endpoint must be something every agent can connect to.
+    """
+    if shutil.which("scontrol") is None:
+        return name
+    try:
+        proc = subprocess.run(
+            ["scontrol", "show", "node", "--oneliner", name], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("cannot ask scontrol for the address of node %s (%s); using its name", name, exc)
+        return name
+    match = re.search(r"(?:^|\s)NodeAddr=(\S+)", proc.stdout)
+    return match.group(1) if proc.returncode == 0 and match else name
+
+
 # ---------------------------------------------------------------------------------------------
 # The multi-node command
 # ---------------------------------------------------------------------------------------------
@@ -168,13 +187,18 @@ def multinode_command(
     *,
     env: Mapping[str, str] | None = None,
     python: str | None = None,
+    entry: Sequence[str] = ("-m", "detscale"),
+    resolve: Callable[[str], str] = node_address,
 ) -> list[str]:
     """The argv that runs ``detscale <train_argv>`` on ``nodes`` x ``gpus_per_node`` ranks.
 
     One ``srun`` step with one task per node; each task is a ``torchrun`` agent (started as
     ``python -m torch.distributed.run`` with the current interpreter, so the same environment
     runs everywhere) that joins the c10d rendezvous at ``FIRST_NODE:port`` under the job id.
-    ``train_argv`` starts with the subcommand, e.g. ``["train", "--config", ...]``.
+    ``train_argv`` starts with the subcommand, e.g. ``["train", "--config", ...]``; ``entry``
+    is what torchrun runs it with (``-m detscale``; tests put a script there). ``env`` (default
+    ``os.environ``) and ``resolve`` (node name -> address, default :func:`node_address`) are
+    there for tests.
 
     ``--overlap`` lets the step start even when the caller itself runs inside a job step that
     holds the node's CPUs (Snakemake's job-step executor wraps rules in ``srun``);
@@ -196,7 +220,7 @@ def multinode_command(
             f"--nodes {nodes} asked for, but Slurm job {job_id(env)} holds {len(hosts)} node(s) "
             f"({', '.join(hosts)}); submit it with `--nodes {nodes}` (the rule's `nodes` resource)"
         )
-    head = hosts[0]
+    head = resolve(hosts[0])
     log.info("multi-node: %d node(s) x %d rank(s), rendezvous on %s:%d", nodes, gpus_per_node, head, port)
     return [
         "srun",
@@ -214,7 +238,6 @@ def multinode_command(
         f"--rdzv-endpoint={head}:{port}",
         f"--rdzv-id={job_id(env)}",
         f"--max-restarts={max_restarts}",
-        "-m",
-        "detscale",
+        *entry,
         *train_argv,
     ]

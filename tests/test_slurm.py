@@ -1,0 +1,154 @@
+"""Slurm: host lists and allocation helpers (unit), and a real single-node Slurm cluster (``slurm``).
+
+The cluster tests bring up ``tests/slurm/cluster.sh`` (Debian's slurmctld, slurmd and munge with
+4 fake GPUs) and submit real jobs to it. They are skipped, with the script's output as the
+reason, where the cluster cannot be started (not root, no apt); set ``DETSCALE_REQUIRE_SLURM=1``
+(as CI does) to make that a failure instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from detscale import slurm
+from detscale.slurm import SlurmError, expand_hostlist
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
+STATE = Path(os.environ.get("DETSCALE_SLURM_STATE", "/tmp/detscale-slurm"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Unit tests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expr", "hosts"),
+    [
+        ("node1", ["node1"]),
+        ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
+        ("n[8-10]", ["n8", "n9", "n10"]),
+        ("n[08-10]", ["n08", "n09", "n10"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+        ("a[1,3]-ib,b", ["a1-ib", "a3-ib", "b"]),
+    ],
+)
+def test_expand_hostlist(expr: str, hosts: list[str]) -> None:
+    assert expand_hostlist(expr) == hosts
+
+
+@pytest.mark.parametrize("expr", ["", "n[1-2", "n1-2]", "n[a-b]", "n[5-3]"])
+def test_expand_hostlist_rejects_malformed(expr: str) -> None:
+    with pytest.raises(SlurmError):
+        expand_hostlist(expr)
+
+
+def test_allocation_helpers() -> None:
+    env = {"SLURM_JOB_ID": "7", "SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert slurm.in_slurm_job(env) and slurm.job_id(env) == "7"
+    assert slurm.gpus_on_node(env) == 2
+    assert slurm.visible_gpus(env) == ["2", "3"]
+    assert not slurm.in_slurm_job({})
+    assert slurm.visible_gpus({}) is None
+    assert slurm.visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert slurm.gpus_on_node({}) is None
+
+
+def test_job_nodes_prefers_environment() -> None:
+    assert slurm.job_nodes({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "c[1-2]"}) == ["c1", "c2"]
+    assert slurm.job_nodes({"SLURM_JOB_ID": "1", "SLURM_NODELIST": "d5"}) == ["d5"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A real cluster
+# ---------------------------------------------------------------------------------------------
+
+
+def _run(cmd: list[str], timeout: float, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)  # type: ignore[call-overload]
+
+
+def _cluster_up() -> bool:
+    """True when this script's daemons already run (then the fixture leaves them running)."""
+    status = _run(["bash", str(CLUSTER), "status"], 30)
+    return status.stdout.count("running (pid") == 3
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("DETSCALE_REQUIRE_SLURM") == "1":
+        pytest.fail(f"DETSCALE_REQUIRE_SLURM=1 but the Slurm cluster is unavailable: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    if os.geteuid() != 0:
+        _unavailable("the Slurm test cluster needs root (apt-get, /etc/slurm/slurm.conf, daemons)")
+    if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
+        _unavailable("no Slurm installed and no apt-get to install slurmctld, slurmd, slurm-client, munge")
+    was_up = _cluster_up()
+    try:
+        start = _run(["bash", str(CLUSTER), "start"], 600)
+    except subprocess.TimeoutExpired:
+        _unavailable("tests/slurm/cluster.sh start did not finish within 600 s")
+    if start.returncode != 0:
+        _unavailable(f"tests/slurm/cluster.sh start failed:\n{start.stdout}{start.stderr}")
+    try:
+        yield
+    finally:
+        if not was_up:
+            _run(["bash", str(CLUSTER), "stop"], 60)
+
+
+def _sbatch_wait(args: list[str], out: Path, timeout: float = 120) -> str:
+    """Submit with ``sbatch --wait`` and return the job's output; fails with it on a bad exit."""
+    proc = _run(["sbatch", "--wait", "--parsable", f"--output={out}", *args], timeout, cwd=ROOT)
+    text = out.read_text() if out.exists() else ""
+    assert proc.returncode == 0, f"sbatch {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}\n{text}"
+    return text
+
+
+def _env_lines(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+@pytest.mark.slurm
+def test_sbatch_job_gets_its_gpus(cluster: None, tmp_path: Path) -> None:
+    text = _sbatch_wait(["--gpus=2", "--cpus-per-gpu=1", "--wrap", "env"], tmp_path / "env.out")
+    env = _env_lines(text)
+    assert env.get("SLURM_GPUS_ON_NODE") == "2", text
+    assert env.get("CUDA_VISIBLE_DEVICES") == "0,1", text
+
+
+@pytest.mark.slurm
+def test_multinode_command_under_srun(cluster: None, tmp_path: Path) -> None:
+    """The srun + torchrun step of a multi-node run, on the one node this cluster has.
+
+    Run the way Snakemake's job-step executor runs a rule: without SLURM_JOB_NODELIST, so the
+    node (and its address) come from scontrol. Two ranks train a few DDP steps and agree.
+    """
+    probe = ROOT / "tests" / "multinode_probe.py"
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        "from detscale.slurm import multinode_command\n"
+        f"cmd = multinode_command(1, 2, ['--out', {str(tmp_path)!r}, '--steps', '2'], 0, 29577,\n"
+        f"                        entry=[{str(probe)!r}])\n"
+        "print('COMMAND', ' '.join(cmd), flush=True)\n"
+        "sys.exit(subprocess.call(cmd))\n"
+    )
+    wrap = f"env -u SLURM_JOB_NODELIST -u SLURM_NODELIST OMP_NUM_THREADS=1 {sys.executable} {script}"
+    text = _sbatch_wait(["--nodes=1", "--gpus=2", "--cpus-per-gpu=1", "--wrap", wrap], tmp_path / "job.out", 180)
+    assert "COMMAND srun --nodes=1" in text
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world_size"] for r in results] == [2, 2]
+    assert results[0]["weights_digest"] == results[1]["weights_digest"], text
