@@ -1,0 +1,195 @@
+"""The YOLOv9 training loss: task-aligned assignment, BCE classification, CIoU + DFL box terms.
+
+Everything is vectorised over the batch: ground truth is padded to ``[B, M_max]`` once and the
+assigner works on ``[B, M_max, A]`` tensors, so no Python loop runs over images or boxes.
+
+Distributed contract (``docs/internals.md``): the normaliser (sum of target scores) is
+all-reduced over ranks and the returned loss is multiplied by the *global* batch, so that
+``(loss * world_size).backward()`` under DDP's gradient averaging gives exactly the gradient of one
+process training on the concatenated batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from detscale import dist
+from detscale.model.boxes import bbox2dist, bbox_ciou, dist2bbox, make_anchors, xywh2xyxy
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Targets of every anchor: ``fg_mask`` [B, A] bool, ``labels`` [B, A], ``boxes`` [B, A, 4]
+    (xyxy, same units as the inputs), ``scores`` [B, A, nc] (IoU-weighted one-hot; zero for background)."""
+
+    fg_mask: torch.Tensor
+    labels: torch.Tensor
+    boxes: torch.Tensor
+    scores: torch.Tensor
+
+
+class TaskAlignedAssigner:
+    """Task-aligned one-to-many assignment (TOOD): for every ground-truth box, the ``topk`` anchors
+    whose centre lies inside it with the highest ``score^alpha * CIoU^beta`` become positives; an
+    anchor claimed by several boxes goes to the one it overlaps most. Target scores are the
+    one-hot class scaled, per box, so that its best-aligned anchor gets that anchor's IoU.
+    """
+
+    def __init__(self, nc: int, topk: int = 10, alpha: float = 0.5, beta: float = 6.0, eps: float = 1e-9) -> None:
+        self.nc, self.topk, self.alpha, self.beta, self.eps = nc, topk, alpha, beta, eps
+
+    @torch.no_grad()
+    def __call__(self, pd_scores: torch.Tensor, pd_boxes: torch.Tensor, points: torch.Tensor,
+                 gt_labels: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch.Tensor) -> Assignment:
+        """Assign anchors to ground truth.
+
+        ``pd_scores`` [B, A, nc] probabilities; ``pd_boxes`` [B, A, 4] xyxy; ``points`` [A, 2]
+        anchor centres (same units as the boxes); ``gt_labels`` [B, M] long; ``gt_boxes``
+        [B, M, 4] xyxy; ``gt_mask`` [B, M] bool (False for padding).
+        """
+        bsz, n_anchors, _ = pd_scores.shape
+        m = gt_boxes.shape[1]
+        device = pd_scores.device
+        if m == 0:
+            return Assignment(torch.zeros(bsz, n_anchors, dtype=torch.bool, device=device),
+                              torch.zeros(bsz, n_anchors, dtype=torch.long, device=device),
+                              torch.zeros(bsz, n_anchors, 4, device=device),
+                              torch.zeros_like(pd_scores))
+
+        # Anchor centres strictly inside each box, for real boxes only: [B, M, A].
+        x1y1, x2y2 = gt_boxes[:, :, None, :2], gt_boxes[:, :, None, 2:]
+        margin = torch.cat((points[None, None] - x1y1, x2y2 - points[None, None]), -1).amin(-1)
+        candidates = (margin > self.eps) & gt_mask[:, :, None]
+
+        overlaps = bbox_ciou(gt_boxes[:, :, None], pd_boxes[:, None]).squeeze(-1).clamp(0)
+        overlaps = overlaps * candidates
+        # Predicted probability of each box's own class at every anchor: [B, M, A].
+        cls_scores = pd_scores.transpose(1, 2).gather(1, gt_labels[:, :, None].expand(-1, -1, n_anchors))
+        align = cls_scores.pow(self.alpha) * overlaps.pow(self.beta) * candidates
+
+        k = min(self.topk, n_anchors)
+        top_idx = align.topk(k, dim=-1).indices
+        in_topk = torch.zeros_like(candidates).scatter_(-1, top_idx, True)
+        pos = in_topk & candidates  # [B, M, A]
+
+        # An anchor claimed by several boxes keeps only the box it overlaps most.
+        multi = pos.sum(1, keepdim=True) > 1
+        best_box = F.one_hot(overlaps.masked_fill(~pos, -1.0).argmax(1), m).transpose(1, 2).bool()
+        pos = torch.where(multi, best_box, pos)
+        fg_mask = pos.any(1)
+        gt_idx = pos.to(torch.uint8).argmax(1)  # [B, A]
+
+        labels = gt_labels.gather(1, gt_idx)
+        boxes = gt_boxes.gather(1, gt_idx[..., None].expand(-1, -1, 4))
+        scores = F.one_hot(labels, self.nc).to(pd_scores.dtype) * fg_mask[..., None]
+
+        # Scale each box's positives so the best-aligned one gets its IoU: soft, quality-aware targets.
+        align = align * pos
+        overlaps = overlaps * pos
+        norm = align * overlaps.amax(-1, keepdim=True) / (align.amax(-1, keepdim=True) + self.eps)
+        scores = scores * norm.amax(1)[..., None]
+        return Assignment(fg_mask, labels, boxes, scores)
+
+
+def pad_targets(targets: torch.Tensor, bsz: int,
+                img_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``targets`` [N, 6] (batch_idx, cls, cx, cy, w, h normalised) -> per-image padded tensors.
+
+    Returns ``labels`` [B, M] long, ``boxes`` [B, M, 4] xyxy in input pixels and ``mask`` [B, M]
+    bool, where M is the largest number of objects in one image (0 when there are none).
+    """
+    device = targets.device
+    img = targets[:, 0].long()
+    counts = torch.bincount(img, minlength=bsz)
+    m = int(counts.max()) if len(img) else 0
+    order = torch.argsort(img, stable=True)
+    img_sorted = img[order]
+    slot = torch.arange(len(order), device=device) - (torch.cumsum(counts, 0) - counts)[img_sorted]
+    padded = torch.zeros(bsz, m, 5, device=device, dtype=torch.float32)
+    padded[img_sorted, slot] = targets[order, 1:].float()
+    h, w = img_hw
+    scale = torch.tensor([w, h, w, h], device=device, dtype=torch.float32)
+    boxes = xywh2xyxy(padded[..., 1:] * scale)
+    mask = torch.arange(m, device=device)[None] < counts[:, None]
+    return padded[..., 0].long(), boxes, mask
+
+
+class DetectionLoss:
+    """``loss, items = DetectionLoss(model)(preds, targets)``.
+
+    ``preds`` is the training-mode output of the model (per-level maps, or ``(main, aux)`` for
+    the dual-head models); ``targets`` is [N, 6] (batch_idx, cls, cx, cy, w, h) normalised to the
+    input image. ``loss`` = (box_gain * CIoU + cls_gain * BCE + dfl_gain * DFL), plus
+    ``aux_weight`` times the same for the auxiliary head, multiplied by the global batch size;
+    ``items`` = detached (box, cls, dfl) with gains applied (auxiliary included), for logging.
+    """
+
+    def __init__(self, model: nn.Module, box_gain: float = 7.5, cls_gain: float = 0.5, dfl_gain: float = 1.5,
+                 aux_weight: float = 0.25, topk: int = 10, alpha: float = 0.5, beta: float = 6.0) -> None:
+        raw = getattr(model, "module", model)
+        self.nc: int = raw.nc
+        self.reg_max: int = raw.reg_max
+        self.strides: list[float] = [float(s) for s in raw.stride]
+        self.gains = (box_gain, cls_gain, dfl_gain)
+        self.aux_weight = aux_weight
+        self.assigner = TaskAlignedAssigner(self.nc, topk, alpha, beta)
+
+    def __call__(self, preds, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dual = isinstance(preds, (tuple, list)) and isinstance(preds[0], (tuple, list))
+        heads = [(preds[0], 1.0), (preds[1], self.aux_weight)] if dual else [(preds, 1.0)]
+        first = heads[0][0][0]
+        bsz = first.shape[0]
+        img_hw = (int(first.shape[2] * self.strides[0]), int(first.shape[3] * self.strides[0]))
+        gt_labels, gt_boxes, gt_mask = pad_targets(targets.to(first.device), bsz, img_hw)
+
+        parts = torch.zeros(3, device=first.device)
+        for levels, weight in heads:
+            parts = parts + weight * self._head_terms(levels, gt_labels, gt_boxes, gt_mask)
+        parts = parts * torch.tensor(self.gains, device=parts.device)
+        global_batch = bsz * dist.get_world_size()
+        return parts.sum() * global_batch, parts.detach()
+
+    def _head_terms(self, levels: list[torch.Tensor], gt_labels: torch.Tensor, gt_boxes: torch.Tensor,
+                    gt_mask: torch.Tensor) -> torch.Tensor:
+        """Un-gained (CIoU, BCE, DFL) of one head, each normalised by the global sum of target scores."""
+        bsz = levels[0].shape[0]
+        flat = torch.cat([x.float().view(bsz, self.nc + 4 * self.reg_max, -1) for x in levels], 2)
+        pred_dist, pred_logits = flat.split((4 * self.reg_max, self.nc), 1)
+        pred_dist = pred_dist.transpose(1, 2).contiguous()  # [B, A, 4 * reg_max]
+        pred_logits = pred_logits.transpose(1, 2).contiguous()  # [B, A, nc]
+        points, stride = make_anchors([tuple(x.shape[2:]) for x in levels], self.strides, flat.device)
+
+        # Boxes in grid units of their level, from the expectation over the distance bins.
+        bins = torch.arange(self.reg_max, device=flat.device, dtype=torch.float32)
+        pred_ltrb = pred_dist.view(bsz, -1, 4, self.reg_max).softmax(-1) @ bins
+        pred_boxes = dist2bbox(pred_ltrb, points)
+
+        target = self.assigner(pred_logits.detach().sigmoid(), pred_boxes.detach() * stride,
+                               points * stride, gt_labels, gt_boxes, gt_mask)
+        score_sum = dist.all_reduce_sum(target.scores.sum().detach().clone()).clamp(min=1.0)
+
+        bce = F.binary_cross_entropy_with_logits(pred_logits, target.scores, reduction="none").sum() / score_sum
+
+        fg = target.fg_mask
+        weight = target.scores.sum(-1)[fg]  # [n_fg]
+        target_boxes = target.boxes / stride  # grid units
+        ciou = bbox_ciou(pred_boxes[fg], target_boxes[fg]).squeeze(-1)
+        box = ((1.0 - ciou) * weight).sum() / score_sum
+
+        target_ltrb = bbox2dist(points.expand(bsz, -1, -1)[fg], target_boxes[fg], self.reg_max - 1)
+        dfl = (self._dfl(pred_dist[fg].view(-1, self.reg_max), target_ltrb.view(-1)).view(-1, 4).mean(-1)
+               * weight).sum() / score_sum
+        return torch.stack((box, bce, dfl))
+
+    @staticmethod
+    def _dfl(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Distribution focal loss: cross-entropy to the two bins around the continuous target,
+        weighted by proximity (so the expectation of the ideal distribution equals the target)."""
+        left = target.long()
+        w_left = left + 1 - target
+        return (F.cross_entropy(logits, left, reduction="none") * w_left
+                + F.cross_entropy(logits, left + 1, reduction="none") * (1 - w_left))
