@@ -1,7 +1,10 @@
 # Configuration, validated once (schema + the package's semantic checks), and the helpers rules use.
+import os
+import re
 import sys
 
 from detscale import config as dsconfig
+from detscale.commands import runs as dsruns
 
 validate(config, "../schemas/config.schema.yaml")
 try:
@@ -14,6 +17,32 @@ DATASET = CFG.dataset.name
 DATA_DIR = f"results/data/{DATASET}"
 # The data.yaml every stage after validation reads: the clean view written by validate_dataset.
 CLEAN_DATA_YAML = f"{DATA_DIR}/data.yaml"
+CACHE_DIR = f"results/cache/{DATASET}"
+# The software of every rule (documentation, and used with --use-conda); relative to workflow/rules/.
+CONDA_ENV = "../../environment.yml"
+
+# The experiment grid: one training run per point, its id encoding the point
+# (model_imgsz_gGPUS_bBATCH_cache_precision_rREPEAT, see detscale.config.RunPoint.run_id).
+RUNS = [point.run_id for point in CFG.runs()]
+RUN_DIR = "results/runs/{run}"
+REPORT_DIR = "results/report"
+REPORT_PLOTS = ["throughput", "efficiency", "memory", "map", "step_time"]
+
+wildcard_constraints:
+    run="|".join(re.escape(r) for r in RUNS),
+
+# Placement of timed runs. Every train job takes `timed_run` (1 unless placement.allow_overlap)
+# and the machine has 1 of it unless the user gives `--resources timed_run=K`, so measured runs
+# train one at a time. Evaluation takes it too, so nothing of this workflow competes with a
+# measured run for its CPUs or cards. GPUs themselves are the `gpu` resource (`--resources
+# gpu=4`); `detscale launch` gives concurrent runs disjoint cards with file locks.
+TIMED_RUN = 0 if CFG.placement.allow_overlap else 1
+if "timed_run" not in workflow.global_resources:
+    workflow.global_resources["timed_run"] = 1
+
+
+def all_targets():
+    return [f"{DATA_DIR}/validation.json", f"{REPORT_DIR}/index.html"]
 
 
 def source_data_yaml():
@@ -21,5 +50,43 @@ def source_data_yaml():
     return str(CFG.dataset.resolved_data_yaml())
 
 
-def all_targets():
-    return [f"{DATA_DIR}/validation.json"]
+def point(wildcards):
+    """The grid point of the job's run."""
+    return CFG.run(wildcards.run)
+
+
+def run_gpus(wildcards):
+    return point(wildcards).gpus
+
+
+def run_threads(wildcards):
+    """CPU threads a run uses: one torch thread budget per rank (capped by Snakemake at --cores)."""
+    return point(wildcards).gpus * CFG.train.cpu_threads_per_rank
+
+
+def run_cache(wildcards):
+    """The image caches a run reads: the training split (and validation when it validates while training)."""
+    p = point(wildcards)
+    if p.cache == "none":
+        return []
+    splits = ["train", "val"] if CFG.train.val_interval > 0 else ["train"]
+    return [f"{CACHE_DIR}/{split}-{p.imgsz}.{ext}" for split in splits for ext in ("npy", "json")]
+
+
+def run_cache_arg(wildcards):
+    return "" if point(wildcards).cache == "none" else f"--cache-dir {CACHE_DIR}"
+
+
+def run_nodes_arg(wildcards):
+    nodes = point(wildcards).nodes
+    return f"--nodes {nodes}" if nodes > 1 else ""
+
+
+def run_config_digest(stage):
+    """Params value that changes exactly when the run's `stage` config file would (see detscale runs)."""
+    return lambda wildcards: dsruns.run_config_digest(CFG, wildcards.run, stage)
+
+
+def run_files(name):
+    """`name` (e.g. "timing.json") of every run of the grid."""
+    return expand(f"{RUN_DIR}/{name}", run=RUNS)

@@ -1,0 +1,42 @@
+# The scaling report of every run of the grid: tables, plots and a self-contained index.html.
+
+
+rule experiment_config:
+    output:
+        "results/config.yaml",
+    params:
+        digest=CFG.digest(),
+    log:
+        "results/logs/experiment_config.log",
+    localrule: True
+    run:
+        dsruns.write_text_atomic(dsruns.experiment_config_text(CFG), output[0])
+
+
+rule report:
+    input:
+        config="results/config.yaml",
+        timing=run_files("timing.json"),
+        evaluation=run_files("eval.json"),
+        env=run_files("env.json"),
+        run_config=run_files("config.yaml"),
+    output:
+        html=report(f"{REPORT_DIR}/index.html", caption="../report/index.rst", category="Report"),
+        csv=report(f"{REPORT_DIR}/scaling.csv", caption="../report/scaling.rst", category="Tables"),
+        markdown=f"{REPORT_DIR}/scaling.md",
+        plots=[
+            report(f"{REPORT_DIR}/plots/{name}.png", caption=f"../report/{name}.rst", category="Plots")
+            for name in REPORT_PLOTS
+        ],
+    params:
+        runs=expand(RUN_DIR, run=RUNS),
+        out=lambda wildcards, output: os.path.dirname(output.html),
+    conda:
+        CONDA_ENV
+    log:
+        "results/logs/report.log",
+    benchmark:
+        "results/benchmarks/report.tsv"
+    localrule: True
+    shell:
+        "detscale report --runs {params.runs} --config {input.config} --out {params.out} > {log} 2>&1"
