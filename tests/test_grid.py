@@ -142,3 +142,20 @@ def test_runs_command(tmp_path: Path, capsys):
     assert yaml.safe_load(out.read_text())["grid"]["gpus"] == [2]
     assert cli.main(["runs", "--config", str(config_path), "--run", "nope", "--out", str(out)]) == 2
     assert cli.main(["runs", "--config", str(config_path), "--run", "gelan-t_64_g2_b8_disk_fp32_r0"]) == 2
+
+
+def test_coco_config(tmp_path: Path):
+    """The real-hardware config: valid once data_yaml names an existing file; 1-8 GPUs, bf16, reference hyps."""
+    raw = yaml.safe_load((ROOT / "config" / "coco-yolov9s.yaml").read_text())
+    with pytest.raises(dsconfig.ConfigError, match="data_yaml"):
+        dsconfig.from_dict(raw)  # the placeholder path must be edited by the user
+    data_yaml = tmp_path / "data.yaml"
+    data_yaml.write_text("path: .\ntrain: images/train2017\nval: images/val2017\nnames: {0: person}\n")
+    raw["dataset"]["data_yaml"] = str(data_yaml)
+    cfg = dsconfig.from_dict(raw)
+    points = cfg.runs()
+    assert [p.gpus for p in points] == [1, 2, 4, 8]
+    assert [p.global_batch for p in points] == [16, 32, 64, 128]
+    assert {(p.model, p.imgsz, p.precision) for p in points} == {("yolov9-s", 640, "bf16")}
+    assert (cfg.grid.epochs, cfg.train.close_mosaic, cfg.augment.mixup) == (500, 15, 0.15)
+    assert (cfg.train.lr0, cfg.train.nominal_batch, cfg.augment.scale) == (0.01, 64, 0.9)
