@@ -1,0 +1,158 @@
+"""Data loaders for training (distributed, shuffled, augmented) and validation (sharded, exact).
+
+Training: :class:`TrainSampler` is a ``DistributedSampler`` (shuffle, one seed) that yields
+:class:`~detscale.data.dataset.SampleKey` ``(index, epoch, mosaic, seed)`` instead of bare
+indices. The sampler is iterated in the main process, so switching mosaic off for the last
+``close_mosaic`` epochs reaches the workers through the keys, even with persistent workers
+(whose copy of the dataset never sees attribute changes made in the main process). Call
+:func:`set_epoch` at the start of every epoch::
+
+    loader = build_train_loader(dataset, batch, rank, world, seed, workers, pin_memory=True)
+    for epoch in range(start, epochs):
+        set_epoch(loader, epoch, mosaic=epoch < epochs - close_mosaic)
+        for imgs, targets, metas in loader: ...
+
+Validation: :class:`ShardSampler` gives each rank one contiguous, disjoint slice of the split;
+together the ranks see every image exactly once (``DistributedSampler`` would pad with
+duplicates, which would bias COCO metrics).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from detscale.data.dataset import SampleKey
+
+
+def collate(
+    batch: Sequence[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]],
+) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, Any]]]:
+    """``(imgs uint8 [B, 3, H, W], targets float32 [N, 6] (batch_idx, cls, cx, cy, w, h), metas)``."""
+    imgs = torch.stack([item[0] for item in batch])
+    targets = [
+        torch.cat([torch.full((len(labels), 1), float(b)), labels], dim=1) for b, (_, labels, _) in enumerate(batch)
+    ]
+    return imgs, torch.cat(targets) if targets else torch.zeros((0, 6)), [item[2] for item in batch]
+
+
+class TrainSampler(DistributedSampler):
+    """``DistributedSampler`` (shuffled, seeded) that yields ``SampleKey(index, epoch, mosaic, seed)``.
+
+    ``rank`` and ``num_replicas`` are explicit, so no process group is needed to build it.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, mosaic: bool = True):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.mosaic = mosaic
+
+    def set_epoch(self, epoch: int, mosaic: bool | None = None) -> None:
+        """Reshuffle for ``epoch``; ``mosaic`` (when given) switches mosaic on or off from now on."""
+        super().set_epoch(epoch)
+        if mosaic is not None:
+            self.mosaic = mosaic
+
+    def __iter__(self) -> Iterator[SampleKey]:  # type: ignore[override]
+        for index in super().__iter__():
+            yield SampleKey(int(index), self.epoch, self.mosaic, self.seed)
+
+
+class ShardSampler(Sampler[int]):
+    """Indices ``[rank * n // world, (rank + 1) * n // world)``: disjoint, contiguous, complete."""
+
+    def __init__(self, n: int, rank: int, world_size: int):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.start = rank * n // world_size
+        self.stop = (rank + 1) * n // world_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.stop))
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def worker_seed(seed: int, rank: int, worker_id: int, base: int) -> int:
+    """A 32-bit seed for one loader worker of one rank (``base`` is torch's per-epoch worker seed)."""
+    return int(np.random.SeedSequence([seed, rank, worker_id, base % 2**32]).generate_state(1)[0])
+
+
+def _init_worker(worker_id: int, seed: int, rank: int) -> None:
+    """Seed numpy, random and torch in a worker and keep it to one thread (cores go to workers).
+
+    The augmentation itself draws from a generator keyed on (seed, epoch, index) and does not
+    depend on these global seeds; they make any other randomness in a worker reproducible too.
+    """
+    import cv2
+
+    info = torch.utils.data.get_worker_info()
+    s = worker_seed(seed, rank, worker_id, info.seed if info is not None else 0)
+    np.random.seed(s)
+    random.seed(s)
+    torch.manual_seed(s)
+    torch.set_num_threads(1)
+    cv2.setNumThreads(1)
+
+
+def set_epoch(loader: DataLoader, epoch: int, mosaic: bool = True) -> None:
+    """Start ``epoch``: reshuffle and switch mosaic (``False`` for the ``close_mosaic`` epochs)."""
+    sampler = loader.sampler
+    if not isinstance(sampler, TrainSampler):
+        raise TypeError("set_epoch expects a loader from build_train_loader")
+    sampler.set_epoch(epoch, mosaic)
+
+
+def build_train_loader(
+    dataset: Dataset,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    workers: int,
+    pin_memory: bool = True,
+    drop_last: bool = True,
+) -> DataLoader:
+    """Shuffled, distributed, augmented batches of ``batch_size`` for this rank.
+
+    Workers are persistent (when ``workers > 0``); memory is pinned only when CUDA is present.
+    The same ``seed`` gives the same batches, whatever ``workers`` is.
+    """
+    sampler = TrainSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+    # Fixes torch's per-epoch worker base seeds, so worker_init_fn seeds repeat from run to run.
+    generator = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, rank]).generate_state(1)[0]))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        drop_last=drop_last,
+        persistent_workers=workers > 0,
+        worker_init_fn=partial(_init_worker, seed=seed, rank=rank),
+        generator=generator,
+        prefetch_factor=4 if workers > 0 else None,
+    )
+
+
+def build_val_loader(
+    dataset: Dataset, batch_size: int, rank: int, world_size: int, workers: int, pin_memory: bool = True
+) -> DataLoader:
+    """This rank's contiguous shard of ``dataset`` in order, no duplicates, last batch kept."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=ShardSampler(len(dataset), rank, world_size),
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        drop_last=False,
+        worker_init_fn=partial(_init_worker, seed=0, rank=rank),
+    )
