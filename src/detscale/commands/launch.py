@@ -1,4 +1,10 @@
-"""(being built) `detscale launch`."""
+"""Claim GPU slots (or CPU ranks), pick a rendezvous port and run ``torchrun`` for ``detscale train``.
+
+Usage: ``detscale launch --gpus N [--nodes M] [--threads T] [--max-restarts R] -- train ARGS``.
+The train arguments are checked first (config, run id, GPU count, batch divisibility), so a
+mistake is reported before any rank starts. Exit code: torchrun's, or 75 after a SIGTERM
+(the run saved ``weights/last.pt``; rerun the same command to resume).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,47 @@ from detscale.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    parser.add_argument("--gpus", type=int, required=True,
+                        help="ranks in total (GPUs; CPU ranks on a host without CUDA)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (multi-node runs go through Slurm)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per CPU rank (default: the config's train.cpu_threads_per_rank)")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="torchrun --max-restarts (default: the config's train.max_restarts)")
+    parser.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    parser.add_argument("--standalone", action="store_true", help="let torchrun pick the rendezvous itself")
+    parser.add_argument("--lock-timeout", type=float, default=24 * 3600.0,
+                        help="seconds to wait for free GPU slots (default: a day)")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="-- train ARGS")
+
+
+def _train_argv(rest: list[str]) -> list[str]:
+    argv = rest[1:] if rest[:1] == ["--"] else rest
+    if argv[:1] != ["train"]:
+        raise UserError(f"expected `-- train ARGS` after the launch options, got {' '.join(rest) or 'nothing'}; "
+                        "e.g. detscale launch --gpus 2 -- train --config C --run RUN --out DIR")
+    return argv
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UserError("`detscale launch` is not available yet")
+    from detscale.commands import train as train_cmd
+    from detscale.engine.semantics import check_run_request
+    from detscale.launch import LaunchError, LaunchRequest, launch
+
+    if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
+        raise LaunchError(f"--gpus {args.gpus} --nodes {args.nodes}: both must be >= 1 and the GPUs must "
+                          "divide evenly over the nodes")
+    argv = _train_argv(list(args.rest))
+    train_parser = argparse.ArgumentParser(prog="detscale train", exit_on_error=False)
+    train_cmd.add_arguments(train_parser)
+    try:
+        train_args = train_parser.parse_args(argv[1:])
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise UserError(f"invalid train arguments {' '.join(argv[1:])!r}: {exc}") from None
+    cfg, _point = check_run_request(train_args.config, train_args.run, world_size=args.gpus)
+    threads = args.threads if args.threads is not None else cfg.train.cpu_threads_per_rank
+    restarts = args.max_restarts if args.max_restarts is not None else cfg.train.max_restarts
+    if threads < 1 or restarts < 0:
+        raise LaunchError("--threads must be >= 1 and --max-restarts >= 0")
+    return launch(LaunchRequest(args.gpus, args.nodes, threads, restarts, args.port, args.standalone,
+                                args.lock_timeout, tuple(argv)))

@@ -1,0 +1,88 @@
+"""SGD with YOLO parameter groups, the warm-up, and the per-epoch learning-rate schedule.
+
+Three groups: convolution/linear weights (with weight decay), normalisation weights (no decay)
+and biases (no decay; during warm-up their learning rate falls from ``warmup_bias_lr`` while the
+others rise from 0). The schedule multiplies every group's ``initial_lr`` by ``lr_factor(epoch)``
+and is stepped once per epoch; warm-up overrides lr and momentum per iteration on top of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP_NAMES = ("weight", "norm_weight", "bias")
+_NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+
+
+def split_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Trainable parameters by group: ``weight`` (decayed), ``norm_weight`` and ``bias`` (not decayed)."""
+    groups: dict[str, list[nn.Parameter]] = {name: [] for name in GROUP_NAMES}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            if name == "bias":
+                groups["bias"].append(param)
+            elif isinstance(module, _NORM_TYPES):
+                groups["norm_weight"].append(param)
+            else:
+                groups["weight"].append(param)
+    return groups
+
+
+def build_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
+    """Nesterov SGD over the three groups; each group carries its ``name``."""
+    groups = split_parameters(model)
+    return torch.optim.SGD(
+        [
+            {"params": groups["weight"], "weight_decay": weight_decay, "name": "weight"},
+            {"params": groups["norm_weight"], "weight_decay": 0.0, "name": "norm_weight"},
+            {"params": groups["bias"], "weight_decay": 0.0, "name": "bias"},
+        ],
+        lr=lr,
+        momentum=momentum,
+        nesterov=True,
+    )
+
+
+def lr_factor(schedule: str, epochs: int, lrf: float) -> Callable[[int], float]:
+    """Multiplier of lr0 at an epoch: ``linear`` or ``cosine`` from 1 down to ``lrf`` at the last epoch."""
+    if schedule == "linear":
+        return lambda e: (1 - e / epochs) * (1.0 - lrf) + lrf
+    if schedule == "cosine":
+        return lambda e: ((1 - math.cos(e * math.pi / epochs)) / 2) * (lrf - 1) + 1
+    raise ValueError(f"unknown lr schedule {schedule!r}")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, epochs: int, lrf: float
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lr_factor(schedule, epochs, lrf))
+
+
+def warmup_iterations(warmup_epochs: float, batches_per_epoch: int, epochs: int) -> int:
+    """Warm-up length in iterations: ``max(warmup_epochs x nb, 100)``, but at most half the run."""
+    if warmup_epochs <= 0:
+        return 0
+    return int(min(max(round(warmup_epochs * batches_per_epoch), 100), epochs * batches_per_epoch / 2))
+
+
+def apply_warmup(
+    optimizer: torch.optim.Optimizer,
+    iteration: int,
+    warmup_iters: int,
+    epoch_factor: float,
+    warmup_bias_lr: float,
+    warmup_momentum: float,
+    momentum: float,
+) -> None:
+    """Set lr and momentum for ``iteration`` (< ``warmup_iters``): linear ramps to the scheduled values."""
+    xp = [0, warmup_iters]
+    for group in optimizer.param_groups:
+        start = warmup_bias_lr if group["name"] == "bias" else 0.0
+        group["lr"] = float(np.interp(iteration, xp, [start, group["initial_lr"] * epoch_factor]))
+        group["momentum"] = float(np.interp(iteration, xp, [warmup_momentum, momentum]))

@@ -1,0 +1,140 @@
+"""The derived training semantics of one run, stated once and written into its config.yaml.
+
+Everything a reader needs to compare a 1-GPU and an N-GPU run: how the grid's ``batch`` turns
+into a per-rank and a global batch, how many batches accumulate into one optimiser step
+(nominal batch), how the learning rate and weight decay follow, and which precision actually ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from detscale import config
+from detscale.config import ConfigError, ExperimentConfig, RunPoint
+
+
+@dataclass(frozen=True)
+class TrainSemantics:
+    world_size: int
+    scaling: str  # weak: batch is per rank; strong: batch is global
+    batch_per_rank: int
+    global_batch: int
+    nominal_batch: int
+    accumulate: int  # batches per optimiser step
+    images_per_optimizer_step: int
+    lr_scaling: str  # none | linear | sqrt, relative to the nominal batch
+    lr_scale: float
+    lr0: float  # after scaling
+    lr0_config: float
+    weight_decay: float  # after the nominal-batch scaling
+    weight_decay_config: float
+    precision_requested: str
+    precision: str  # what ran: fp32 on the CPU whatever was asked
+    precision_note: str
+    channels_last: bool
+    sync_bn: bool
+    epochs: int
+    seed: int
+    lr_schedule: str
+    close_mosaic: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def lr_scale_factor(mode: str, images_per_step: int, nominal: int) -> float:
+    """Learning-rate multiplier for ``images_per_step`` images per optimiser step vs the nominal batch."""
+    ratio = images_per_step / nominal
+    if mode == "none":
+        return 1.0
+    if mode == "linear":
+        return ratio
+    if mode == "sqrt":
+        return math.sqrt(ratio)
+    raise ConfigError(f"'train.lr_scaling': got {mode!r}; must be one of none, linear, sqrt")
+
+
+def derive_semantics(cfg: ExperimentConfig, point: RunPoint, world_size: int, device_type: str) -> TrainSemantics:
+    """The run's training semantics on ``world_size`` ranks of ``device_type`` (``cuda`` or ``cpu``)."""
+    t = cfg.train
+    check_world_size(point, world_size)
+    global_batch = point.global_batch
+    accumulate = max(round(t.nominal_batch / global_batch), 1)
+    per_step = global_batch * accumulate
+    scale = lr_scale_factor(t.lr_scaling, per_step, t.nominal_batch)
+    if device_type == "cpu" and point.precision != "fp32":
+        precision, note = "fp32", f"precision {point.precision} requested; forced to fp32 on the CPU"
+    else:
+        precision, note = point.precision, "as requested"
+    return TrainSemantics(
+        world_size=world_size,
+        scaling=point.scaling,
+        batch_per_rank=point.batch_per_rank,
+        global_batch=global_batch,
+        nominal_batch=t.nominal_batch,
+        accumulate=accumulate,
+        images_per_optimizer_step=per_step,
+        lr_scaling=t.lr_scaling,
+        lr_scale=scale,
+        lr0=t.lr0 * scale,
+        lr0_config=t.lr0,
+        # YOLO convention: decay is given for the nominal batch and grows with the images per step.
+        weight_decay=t.weight_decay * per_step / t.nominal_batch,
+        weight_decay_config=t.weight_decay,
+        precision_requested=point.precision,
+        precision=precision,
+        precision_note=note,
+        channels_last=bool(t.channels_last and device_type == "cuda"),
+        sync_bn=t.sync_bn,
+        epochs=cfg.grid.epochs,
+        seed=cfg.grid.seed,
+        lr_schedule=t.lr_schedule,
+        close_mosaic=t.close_mosaic,
+    )
+
+
+def check_world_size(point: RunPoint, world_size: int) -> None:
+    """The ranks actually started must be the run's GPU count, and the global batch must divide."""
+    if world_size != point.gpus:
+        raise ConfigError(
+            f"run {point.run_id} is a {point.gpus}-rank run but {world_size} rank(s) were started; "
+            f"launch it with --gpus {point.gpus} (the run id encodes the GPU count)"
+        )
+    if point.scaling == "strong" and point.batch % world_size:
+        raise ConfigError(
+            f"run {point.run_id}: global batch {point.batch} does not divide by {world_size} ranks "
+            f"(scaling 'strong'); pick a batch that is a multiple of {world_size}"
+        )
+
+
+def check_run_request(config_path: str | Path, run_id: str, world_size: int) -> tuple[ExperimentConfig, RunPoint]:
+    """Load the config and find the run; every mistake a clear error before any rank starts."""
+    cfg = config.load(config_path)
+    point = cfg.run(run_id)
+    check_world_size(point, world_size)
+    return cfg, point
+
+
+#: Train settings that change how a run executes but not what it computes: changing them keeps resume.
+RUNTIME_ONLY = frozenset({"workers", "cpu_threads_per_rank", "timing_warmup_steps", "timeout_s", "max_restarts",
+                          "val_interval"})
+
+
+def config_digest(cfg: ExperimentConfig, point: RunPoint) -> str:
+    """Hash of everything that determines a run's result; a checkpoint resumes only into the same digest."""
+    data = cfg.to_dict()
+    train = {k: v for k, v in data["train"].items() if k not in RUNTIME_ONLY}
+    picked = {
+        "point": asdict(point),
+        "epochs": cfg.grid.epochs,
+        "seed": cfg.grid.seed,
+        "dataset": data["dataset"],
+        "train": train,
+        "augment": data["augment"],
+    }
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,667 @@
+"""The training loop every rank runs: one code path for 1 to N processes, CPU or GPU.
+
+Reading order: :func:`train` (set up, loop over epochs, finish) -> :func:`train_one_epoch`
+(loop over batches) -> :func:`train_step` (forward and backward of one batch) and
+:func:`optimizer_step` (after ``accumulate`` batches) -> :func:`validate` (optional, every
+``val_interval`` epochs, on the EMA model).
+
+Semantics (stated in every run's ``config.yaml``, see :mod:`detscale.engine.semantics`):
+
+- The loss module normalises by the *global* target count and scales by the global batch; the
+  loss is multiplied by ``world_size`` before ``backward()`` to undo DDP's gradient averaging,
+  so N ranks x batch b compute the gradient of 1 rank x batch N*b.
+- ``accumulate`` batches make one optimiser step; accumulation restarts every epoch (the last
+  batches of an epoch make a step of their own), so epoch boundaries are clean resume points.
+- Buffers (BatchNorm running statistics) are averaged over ranks after every optimiser step
+  (DDP's per-forward buffer broadcast is off), so every rank's weights, buffers and EMA are equal.
+
+Checkpoints and resume: rank 0 writes ``weights/last.pt`` atomically after every epoch (and
+``best.pt`` on the best validation mAP@0.5:0.95), holding every rank's RNG states and timings.
+``--resume`` (or a torchrun restart, ``TORCHELASTIC_RESTART_COUNT > 0``) continues from
+``last.pt`` when it exists and was written for the same config digest: the run ends with the
+same weights as one that never stopped (the data order and augmentation are functions of
+(seed, epoch, index), and a mid-epoch resume re-reads and skips the batches already trained).
+
+Preemption: SIGTERM (or SIGINT) sets a flag; at the next optimiser-step boundary the ranks agree
+on it with an all-reduce (so they all stop at the same step), rank 0 writes ``last.pt`` with the
+step reached in the epoch, and every rank exits with :data:`~detscale.launch.EXIT_PREEMPTED` (75).
+Rerunning the same command resumes mid-epoch exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from detscale import config, dist
+from detscale.config import ExperimentConfig, RunPoint, TrainConfig
+from detscale.engine import checkpoint as ckpt_io
+from detscale.engine.ema import ModelEMA
+from detscale.engine.optim import apply_warmup, build_optimizer, build_scheduler, lr_factor, warmup_iterations
+from detscale.engine.semantics import TrainSemantics, config_digest, derive_semantics
+from detscale.engine.timing import Clock, RankTiming, peak_memory, timing_report
+from detscale.errors import UserError
+from detscale.launch import EXIT_PREEMPTED
+
+log = logging.getLogger(__name__)
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and the pieces of one run
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """What ``detscale train`` was asked to do."""
+
+    config_path: Path
+    run_id: str
+    out_dir: Path
+    resume: bool = False
+    data_yaml: Path | None = None
+    cache_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    out: Path
+
+    @property
+    def weights(self) -> Path:
+        return self.out / "weights"
+
+    @property
+    def last(self) -> Path:
+        return self.weights / "last.pt"
+
+    @property
+    def best(self) -> Path:
+        return self.weights / "best.pt"
+
+    @property
+    def metrics(self) -> Path:
+        return self.out / "metrics.jsonl"
+
+    def log_file(self, rank: int) -> Path:
+        return self.out / "logs" / f"rank{rank}.log"
+
+
+@dataclass
+class Parts:
+    """The objects one rank trains with (``model`` is the DDP wrapper, ``raw`` the module inside)."""
+
+    model: nn.Module
+    raw: nn.Module
+    ema: ModelEMA
+    optimizer: torch.optim.SGD
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    loss_fn: Any
+    amp_dtype: torch.dtype | None
+
+
+@dataclass
+class Progress:
+    """Where the run is: completed epochs, batches done in the current epoch, best mAP so far."""
+
+    epoch: int = 0
+    step: int = 0
+    best_map: float | None = None
+    epoch_seconds_done: float = 0.0  # of the current, unfinished epoch (mid-epoch resume)
+    loss_sum: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption
+# ---------------------------------------------------------------------------------------------
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; :meth:`agreed` is the all-ranks decision (collective: call on every rank)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.requested = True
+        log.warning("signal %d received: stopping at the next optimiser step and saving last.pt", signum)
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        return bool(dist.all_reduce_max(flag).item() > 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The steps
+# ---------------------------------------------------------------------------------------------
+
+
+def to_input(imgs: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
+    """uint8 batch -> float [0, 1] on the device (uint8 over the bus: 4x less traffic)."""
+    x = imgs.to(device, non_blocking=True).float().div_(255)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+def train_step(
+    model: nn.Module,
+    loss_fn: Any,
+    scaler: torch.amp.GradScaler,
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    world_size: int,
+    amp_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """Forward and backward of one batch on this rank; returns the detached (box, cls, dfl) items.
+
+    Gradients accumulate in ``.grad``; the optimiser steps separately (:func:`optimizer_step`).
+    """
+    with torch.autocast(x.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        preds = model(x)
+        loss, items = loss_fn(preds, targets.to(x.device, non_blocking=True))
+    # DDP averages gradients over ranks; the loss is already a share of the global-batch loss.
+    scaler.scale(loss * world_size).backward()
+    return items.detach().float()
+
+
+def optimizer_step(parts: Parts, clip_grad_norm: float, sync_buffers: bool) -> None:
+    """Unscale, clip, step, zero the gradients; keep buffers equal over ranks; update the EMA."""
+    parts.scaler.unscale_(parts.optimizer)
+    if clip_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(parts.raw.parameters(), max_norm=clip_grad_norm)
+    parts.scaler.step(parts.optimizer)
+    parts.scaler.update()
+    parts.optimizer.zero_grad(set_to_none=True)
+    if sync_buffers:
+        average_buffers(parts.raw)
+    parts.ema.update(parts.raw)
+
+
+def average_buffers(model: nn.Module) -> None:
+    """Average floating-point buffers (BatchNorm running statistics) over ranks in one all-reduce."""
+    buffers = [b for b in model.buffers() if b.dtype.is_floating_point]
+    if not buffers or dist.get_world_size() == 1:
+        return
+    flat = torch.cat([b.detach().reshape(-1).float() for b in buffers])
+    dist.all_reduce_mean(flat)
+    offset = 0
+    for b in buffers:
+        n = b.numel()
+        b.copy_(flat[offset:offset + n].view_as(b))
+        offset += n
+
+
+@dataclass
+class EpochResult:
+    losses: list[float]  # mean (box, cls, dfl) over the epoch's batches, summed over ranks
+    seconds: float
+    stopped: bool  # every rank agreed to stop (a signal arrived)
+    step: int  # batches done in this epoch
+    complete: bool  # all the epoch's batches were trained
+
+
+def train_one_epoch(
+    parts: Parts,
+    loader: Any,
+    epoch: int,
+    progress: Progress,
+    sem: TrainSemantics,
+    tcfg: TrainConfig,
+    device: torch.device,
+    timing: RankTiming,
+    stop: StopFlag,
+) -> EpochResult:
+    """Train the batches of ``epoch`` from ``progress.step`` on; stops early when every rank agrees to."""
+    from tqdm import tqdm
+
+    from detscale.data.loader import set_epoch
+
+    set_epoch(loader, epoch, mosaic=epoch < sem.epochs - sem.close_mosaic)
+    parts.model.train()
+    nb = len(loader)
+    warmup_iters = warmup_iterations(tcfg.warmup_epochs, nb, sem.epochs)
+    factor = lr_factor(sem.lr_schedule, sem.epochs, tcfg.lrf)(epoch)
+    clock = Clock(device)
+    batches = iter(loader)
+    for _ in range(progress.step):  # mid-epoch resume: the same batches, already trained on
+        next(batches)
+    loss_sum = torch.tensor(progress.loss_sum, dtype=torch.float64)
+    timing.start_epoch()
+    t_epoch = time.perf_counter() - progress.epoch_seconds_done
+    bar = tqdm(total=nb, initial=progress.step, desc=f"epoch {epoch + 1}/{sem.epochs}", unit="batch",
+               disable=not dist.is_main(), leave=False, mininterval=1.0, file=sys.stderr)
+    start = i = progress.step
+    stopped = False
+    t_prev = clock.now()
+    while i < nb:
+        imgs, targets, _metas = next(batches)
+        t_data = clock.now()
+        iteration = epoch * nb + i
+        if iteration < warmup_iters:
+            apply_warmup(parts.optimizer, iteration, warmup_iters, factor, tcfg.warmup_bias_lr,
+                         tcfg.warmup_momentum, tcfg.momentum)
+        boundary = (i + 1) % sem.accumulate == 0 or i == nb - 1
+        # Between optimiser steps the gradient all-reduce is skipped: DDP reduces the sum once.
+        sync = contextlib.nullcontext() if boundary or sem.world_size == 1 else parts.model.no_sync()
+        with sync:
+            items = train_step(parts.model, parts.loss_fn, parts.scaler, to_input(imgs, device, sem.channels_last),
+                               targets, sem.world_size, parts.amp_dtype)
+        if boundary:
+            optimizer_step(parts, tcfg.clip_grad_norm, sync_buffers=sem.world_size > 1 and not sem.sync_bn)
+        t_done = clock.now()
+        timing.record_step(len(imgs), t_data - t_prev, t_done - t_data)
+        loss_sum += items.cpu().double()
+        i += 1
+        bar.update(1)
+        if bar.n % 10 == 0 or i == nb:
+            # this rank's share of the global loss, x world size: an estimate of the global value
+            box, cls, dfl = (loss_sum * sem.world_size / (i - start)).tolist()
+            bar.set_postfix_str(f"box={box:.3f} cls={cls:.3f} dfl={dfl:.3f}")
+        if boundary and stop.agreed(device):
+            stopped = True
+            break
+        t_prev = clock.now()
+    bar.close()
+    seconds = time.perf_counter() - t_epoch
+    progress.step, progress.loss_sum, progress.epoch_seconds_done = i, loss_sum.tolist(), seconds
+    # Items are this rank's share of the global loss: the sum over ranks is the global-batch loss.
+    mean = dist.all_reduce_sum(loss_sum.clone()) / max(i, 1)
+    return EpochResult(mean.tolist(), seconds, stopped, i, complete=i == nb)
+
+
+def validate(
+    eval_model: nn.Module, val_loader: Any, device: torch.device, eval_cfg: Any, gt_json: Path
+) -> dict[str, Any]:
+    """COCO metrics of ``eval_model`` on the validation split; every rank predicts its shard.
+
+    A collective (every rank must call it); every rank gets the metrics.
+    """
+    from detscale.metrics.coco import compute_metrics
+    from detscale.metrics.predict import gather_predictions, predict
+    from detscale.model import fuse_for_inference
+
+    local = predict(fuse_for_inference(eval_model).to(device), val_loader, device, eval_cfg)
+    merged = gather_predictions(local)
+    metrics = compute_metrics(gt_json, merged) if merged is not None else None
+    return dist.broadcast_object(metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+# ---------------------------------------------------------------------------------------------
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A 32-bit seed per rank derived from the run's one seed."""
+    return int(np.random.SeedSequence([seed, rank, 0x5EED]).generate_state(1)[0])
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_parts(point: RunPoint, nc: int, sem: TrainSemantics, tcfg: TrainConfig, info: dist.DistInfo) -> Parts:
+    """Model (same initial weights on every rank), SyncBN, EMA, optimiser, scheduler, scaler, loss, DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from detscale.engine.syncbn import convert_sync_batchnorm
+    from detscale.loss import DetectionLoss
+    from detscale.model import build_model
+
+    seed_everything(sem.seed)  # identical initialisation on every rank (DDP also broadcasts rank 0's)
+    raw = build_model(point.model, nc)
+    if sem.sync_bn and sem.world_size > 1:
+        raw = convert_sync_batchnorm(raw, info.device.type)
+    raw = raw.to(info.device)
+    if sem.channels_last:
+        raw = raw.to(memory_format=torch.channels_last)
+    ema = ModelEMA(raw, tcfg.ema_decay, tcfg.ema_tau)
+    optimizer = build_optimizer(raw, sem.lr0, tcfg.momentum, sem.weight_decay)
+    scheduler = build_scheduler(optimizer, sem.lr_schedule, sem.epochs, tcfg.lrf)
+    amp_dtype = AMP_DTYPES.get(sem.precision)
+    scaler = torch.amp.GradScaler(info.device.type, enabled=sem.precision == "fp16")
+    loss_fn = DetectionLoss(raw, tcfg.box_gain, tcfg.cls_gain, tcfg.dfl_gain)
+    if sem.world_size > 1:
+        # Buffers are averaged after each optimiser step (average_buffers), not broadcast per forward.
+        # (torch >= 2.12 renames broadcast_buffers to forward_sync_buffers.)
+        params = inspect.signature(DDP.__init__).parameters
+        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+        model: nn.Module = DDP(raw, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+                               gradient_as_bucket_view=True, **no_sync)
+    else:
+        model = raw
+    seed_everything(rank_seed(sem.seed, info.rank))
+    return Parts(model, raw, ema, optimizer, scheduler, scaler, loss_fn, amp_dtype)
+
+
+def build_loaders(point: RunPoint, cfg: ExperimentConfig, data_yaml: Path, cache_dir: Path | None,
+                  sem: TrainSemantics, info: dist.DistInfo, with_val: bool) -> tuple[Any, Any | None]:
+    from detscale.data.dataset import build_dataset
+    from detscale.data.loader import build_train_loader, build_val_loader
+
+    train_ds = build_dataset(data_yaml, "train", point.imgsz, point.cache, cache_dir, cfg.augment)
+    if len(train_ds) < sem.global_batch:
+        raise UserError(f"the training split of {data_yaml} has {len(train_ds)} images, fewer than one global "
+                        f"batch ({sem.global_batch}); use a smaller batch or more images")
+    train = build_train_loader(train_ds, sem.batch_per_rank, info.rank, info.world_size, sem.seed,
+                               cfg.train.workers)
+    val = None
+    if with_val:
+        val_ds = build_dataset(data_yaml, "val", point.imgsz, point.cache, cache_dir, None)
+        val = build_val_loader(val_ds, cfg.eval.batch, info.rank, info.world_size, cfg.train.workers)
+    return train, val
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_dict(parts: Parts, progress: Progress, point: RunPoint, nc: int, digest: str,
+                    sem: TrainSemantics, timing: RankTiming) -> dict[str, Any] | None:
+    """The checkpoint of the run now (collective: gathers every rank's RNG and timing; ``None`` off rank 0)."""
+    rng = dist.all_gather_object(ckpt_io.capture_rng())
+    timings = dist.all_gather_object(timing.state_dict())
+    if not dist.is_main():
+        return None
+    return {
+        "model": parts.raw.state_dict(),
+        "ema": parts.ema.state_dict(),
+        "ema_updates": parts.ema.updates,
+        "optimizer": parts.optimizer.state_dict(),
+        "scaler": parts.scaler.state_dict(),
+        "scheduler": parts.scheduler.state_dict(),
+        "epoch": progress.epoch,
+        "step": progress.step,
+        "progress": asdict(progress),
+        "rng": rng,
+        "timing": timings,
+        "model_name": point.model,
+        "nc": nc,
+        "imgsz": point.imgsz,
+        "config_digest": digest,
+        "world_size": sem.world_size,
+        "semantics": sem.to_dict(),
+    }
+
+
+def restore(parts: Parts, ckpt: dict[str, Any], rank: int, timing: RankTiming) -> Progress:
+    """Load a checkpoint into this rank's parts and RNG; returns where to continue."""
+    parts.raw.load_state_dict(ckpt["model"])
+    parts.ema.load_state_dict(ckpt["ema"], ckpt["ema_updates"])
+    parts.optimizer.load_state_dict(ckpt["optimizer"])
+    parts.scaler.load_state_dict(ckpt["scaler"])
+    parts.scheduler.load_state_dict(ckpt["scheduler"])
+    ckpt_io.restore_rng(ckpt["rng"][rank])
+    saved = RankTiming.from_state(ckpt["timing"][rank])
+    for name, value in asdict(saved).items():
+        setattr(timing, name, value)
+    return Progress(**ckpt["progress"])
+
+
+def find_resume_checkpoint(paths: RunPaths, resume: bool, digest: str, world_size: int) -> dict[str, Any] | None:
+    """``last.pt`` to continue from, when resuming (asked, or a torchrun restart) and it exists."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if not (resume or restart) or not paths.last.is_file():
+        if resume and not paths.last.is_file():
+            log.info("--resume: no %s yet, starting the run from the beginning", paths.last)
+        return None
+    ckpt = ckpt_io.load_checkpoint(paths.last)
+    if ckpt.get("config_digest") != digest:
+        raise ckpt_io.CheckpointError(
+            f"{paths.last} was written for another configuration (digest {ckpt.get('config_digest')}, now "
+            f"{digest}); delete {paths.out} to start this run again, or restore the original config"
+        )
+    if ckpt.get("world_size") != world_size:
+        raise ckpt_io.CheckpointError(f"{paths.last} was written by {ckpt.get('world_size')} ranks, not {world_size}")
+    log.info("resuming from %s: epoch %d, step %d%s", paths.last, ckpt["epoch"], ckpt["step"],
+             " (torchrun restart)" if restart else "")
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------------
+# Files of rank 0
+# ---------------------------------------------------------------------------------------------
+
+
+def write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def append_metrics(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def trim_metrics(path: Path, completed_epochs: int) -> None:
+    """Keep the rows of epochs a resumed run will not redo (a crash may have left a row past last.pt)."""
+    if not path.is_file():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [r for r in rows if json.loads(r).get("epoch", 0) < completed_epochs]
+    path.write_text("".join(r + "\n" for r in kept))
+
+
+@contextlib.contextmanager
+def rank_logging(paths: RunPaths, rank: int) -> Iterator[None]:
+    """A log file per rank; console output from rank 0 only (other ranks' console: warnings and up)."""
+    paths.log_file(rank).parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(paths.log_file(rank), mode="a")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    quieted = []
+    if rank != 0:
+        for h in root.handlers:
+            if h is not handler and isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                quieted.append((h, h.level))
+                h.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for h, level in quieted:
+            h.setLevel(level)
+        root.removeHandler(handler)
+        handler.close()
+
+
+def default_data_yaml(cfg: ExperimentConfig) -> Path:
+    """The clean view written by validation (results/data/NAME/data.yaml), else the dataset's own."""
+    clean = Path("results") / "data" / cfg.dataset.name / "data.yaml"
+    return clean if clean.is_file() else cfg.dataset.resolved_data_yaml()
+
+
+def summary_text(point: RunPoint, sem: TrainSemantics, report: dict[str, Any], best_map: float | None) -> str:
+    mem = max(report["peak_mem_bytes_per_rank"]) / 2**20
+    per_rank = ", ".join(f"{v:.1f}" for v in report["images_per_s_per_rank"])
+    lines = [
+        f"run {point.run_id}: {sem.epochs} epochs on {sem.world_size} {report['device']} rank(s) ({report['backend']})",
+        f"  batch {sem.batch_per_rank}/rank, global {sem.global_batch}, accumulate {sem.accumulate}, "
+        f"lr0 {sem.lr0:g} ({sem.lr_scaling}), precision {sem.precision}",
+        f"  throughput {report['images_per_s']:.1f} img/s ({per_rank} per rank), "
+        f"data wait {100 * report['data_wait_share']:.1f}% of step time",
+        f"  train {report['train_seconds']:.1f} s, validation {report['val_seconds']:.1f} s, "
+        f"peak memory {mem:.0f} MiB/rank ({report['mem_kind']})",
+    ]
+    if best_map is not None:
+        lines.append(f"  best validation mAP@0.5:0.95 {best_map:.4f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def train(req: TrainRequest) -> int:
+    """Train one run on this rank (every rank calls it); returns the process exit code."""
+    cfg = config.load(req.config_path)
+    point = cfg.run(req.run_id)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or cfg.train.cpu_threads_per_rank)
+    with dist.process_group(cfg.train.timeout_s, cpu_threads=threads) as info:
+        paths = RunPaths(Path(req.out_dir))
+        with rank_logging(paths, info.rank):
+            return _train(req, cfg, point, info, paths, threads)
+
+
+def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist.DistInfo,
+           paths: RunPaths, threads: int) -> int:
+    from detscale.data.formats import load_spec
+    from detscale.engine.envinfo import environment
+
+    sem = derive_semantics(cfg, point, info.world_size, info.device.type)
+    digest = config_digest(cfg, point)
+    data_yaml = Path(req.data_yaml) if req.data_yaml else default_data_yaml(cfg)
+    cache_dir = Path(req.cache_dir) if req.cache_dir else Path("results") / "cache" / cfg.dataset.name
+    spec = load_spec(data_yaml, splits=("val",) if cfg.train.val_interval > 0 else ())
+    if info.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    log.info("run %s: %d rank(s) on %s (%s), batch %d/rank, global %d, accumulate %d, lr0 %g, precision %s",
+             point.run_id, info.world_size, info.device.type, info.backend, sem.batch_per_rank, sem.global_batch,
+             sem.accumulate, sem.lr0, sem.precision)
+
+    parts = build_parts(point, spec.nc, sem, cfg.train, info)
+    timing = RankTiming(warmup_steps=cfg.train.timing_warmup_steps)
+    ckpt = find_resume_checkpoint(paths, req.resume, digest, info.world_size)
+    progress = restore(parts, ckpt, info.rank, timing) if ckpt is not None else Progress()
+    del ckpt
+    train_loader, val_loader = build_loaders(point, cfg, data_yaml, cache_dir, sem, info, cfg.train.val_interval > 0)
+
+    gt_json = paths.out / "val_gt.json"
+    if info.is_main:
+        paths.weights.mkdir(parents=True, exist_ok=True)
+        extra = {"run": {"run_id": point.run_id, **asdict(point)}, "semantics": sem.to_dict(),
+                 "data_yaml": str(data_yaml), "cache_dir": str(cache_dir), "config_digest": digest}
+        config.save(cfg, paths.out / "config.yaml", extra=extra)
+        env = environment(digest, threads if info.device.type == "cpu" else None)
+        env["world_size"] = info.world_size
+        env["rank_hosts"] = None  # filled below, after the gather
+        if progress.epoch == 0 and progress.step == 0:
+            paths.metrics.unlink(missing_ok=True)
+        else:
+            trim_metrics(paths.metrics, progress.epoch)
+        if val_loader is not None:
+            from detscale.metrics.coco import ensure_coco_gt
+
+            ensure_coco_gt(spec, "val", gt_json)
+    hosts = dist.all_gather_object(os.uname().nodename)
+    if info.is_main:
+        env["rank_hosts"] = hosts
+        write_json(paths.out / "env.json", env)
+
+    stop = StopFlag()
+    stop.install()
+    try:
+        stopped = _epochs(parts, train_loader, val_loader, progress, sem, cfg, point, spec.nc, digest, info,
+                          paths, timing, stop, gt_json)
+    finally:
+        stop.uninstall()
+    if stopped:
+        log.warning("stopped by a signal at epoch %d step %d; last.pt saved, exit %d (rerun to resume)",
+                    progress.epoch + 1, progress.step, EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+
+    memory = dist.all_gather_object(peak_memory(info.device))
+    timings = dist.all_gather_object(timing.state_dict())
+    if info.is_main:
+        extra = {"threads_per_rank": threads if info.device.type == "cpu" else None, "precision": sem.precision,
+                 "accumulate": sem.accumulate, "steps_per_epoch": len(train_loader), "epochs": sem.epochs,
+                 "workers_per_rank": cfg.train.workers, "cache": point.cache}
+        report = timing_report(timings, memory, info.device.type, info.backend, sem.batch_per_rank,
+                               sem.global_batch, extra)
+        if report["measured_steps"] == 0:
+            log.warning("no steady-state steps measured: every epoch has at most %d steps, all warm-up "
+                        "(train.timing_warmup_steps); throughput is reported as 0", cfg.train.timing_warmup_steps)
+        write_json(paths.out / "timing.json", report)
+        sys.stdout.write(summary_text(point, sem, report, progress.best_map) + "\n")
+        sys.stdout.flush()
+    dist.barrier()
+    return 0
+
+
+def _epochs(parts: Parts, train_loader: Any, val_loader: Any | None, progress: Progress, sem: TrainSemantics,
+            cfg: ExperimentConfig, point: RunPoint, nc: int, digest: str, info: dist.DistInfo, paths: RunPaths,
+            timing: RankTiming, stop: StopFlag, gt_json: Path) -> bool:
+    """The epoch loop; True when stopped early by a signal (last.pt written)."""
+    while progress.epoch < sem.epochs:
+        epoch = progress.epoch
+        result = train_one_epoch(parts, train_loader, epoch, progress, sem, cfg.train, info.device, timing, stop)
+        if not result.complete:
+            save = checkpoint_dict(parts, progress, point, nc, digest, sem, timing)
+            if save is not None:
+                ckpt_io.atomic_save(save, paths.last)
+            dist.barrier()
+            return True
+        timing.epoch_seconds.append(result.seconds)
+        timing.train_seconds += result.seconds
+        lrs = [g["lr"] for g in parts.optimizer.param_groups]  # the rates this epoch ended with
+        parts.scheduler.step()
+        row: dict[str, Any] = {
+            "epoch": epoch, "epochs": sem.epochs,
+            "loss_box": result.losses[0], "loss_cls": result.losses[1], "loss_dfl": result.losses[2],
+            "lr": lrs,
+            "epoch_seconds": result.seconds,
+            "images_per_s": sem.global_batch * result.step / result.seconds if result.seconds > 0 else None,
+            "mosaic": epoch < sem.epochs - sem.close_mosaic,
+        }
+        improved = False
+        if val_loader is not None and ((epoch + 1) % cfg.train.val_interval == 0 or epoch + 1 == sem.epochs):
+            t0 = time.perf_counter()
+            metrics = validate(parts.ema.module, val_loader, info.device, cfg.eval, gt_json)
+            seconds = time.perf_counter() - t0
+            timing.val_seconds += seconds
+            row.update({"val_seconds": seconds, "map50_95": metrics["map50_95"], "map50": metrics["map50"]})
+            improved = progress.best_map is None or (metrics["map50_95"] or 0.0) > progress.best_map
+            if improved:
+                progress.best_map = metrics["map50_95"] or 0.0
+        progress.epoch, progress.step = epoch + 1, 0
+        progress.epoch_seconds_done, progress.loss_sum = 0.0, [0.0, 0.0, 0.0]
+        save = checkpoint_dict(parts, progress, point, nc, digest, sem, timing)
+        if save is not None:
+            append_metrics(paths.metrics, row)
+            ckpt_io.atomic_save(save, paths.last)
+            if improved:
+                ckpt_io.atomic_save(save, paths.best)
+            log.info("epoch %d/%d: loss box %.4f cls %.4f dfl %.4f, %.1f s%s", epoch + 1, sem.epochs,
+                     *result.losses, result.seconds,
+                     f", mAP@0.5:0.95 {row['map50_95']:.4f}" if "map50_95" in row else "")
+        if result.stopped:
+            dist.barrier()
+            return True
+    return False

@@ -1,0 +1,307 @@
+"""Start the ranks of one training run: GPU slots, a rendezvous port, and ``torchrun``.
+
+``detscale launch --gpus N -- train ARGS`` is what a Snakemake rule calls. In order:
+
+1. The train arguments are parsed and the run's config loaded, so that a wrong run id, a GPU
+   count that does not match the run, or a global batch that does not divide by the ranks is
+   a clear error before anything starts.
+2. Devices. With ``CUDA_VISIBLE_DEVICES`` already set (by Slurm or the user) those cards are
+   used as given and no others are claimed. Otherwise N free local cards are claimed with file
+   locks (``fcntl.flock`` on ``$DETSCALE_GPU_LOCK_DIR/gpu{i}.lock``, default
+   ``/tmp/detscale-gpu-locks``) held by this process for the run's lifetime, so concurrent
+   Snakemake jobs never share a card, and exported as ``CUDA_VISIBLE_DEVICES``. Asking for more
+   cards than exist is an error. Without CUDA, N ranks run on the CPU with gloo and
+   ``OMP_NUM_THREADS`` threads each (``--threads``, default ``train.cpu_threads_per_rank``).
+3. A free rendezvous port (the OS picks one; ``--port`` must be free or it is an error;
+   ``--standalone`` lets torchrun pick).
+4. ``torchrun`` runs as a child process (not ``exec``: this process must keep holding the
+   locks). SIGINT and SIGTERM are forwarded to it; the exit code is the child's, except after a
+   forwarded SIGTERM, which returns :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``): the ranks
+   wrote ``weights/last.pt`` at a step boundary and rerunning the same command resumes.
+
+Multi-node runs (``--nodes M`` inside a Slurm allocation) delegate the command line to
+``detscale.slurm.multinode_command``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from detscale.errors import UserError
+
+log = logging.getLogger(__name__)
+
+#: Exit code of a run stopped by SIGTERM after writing its checkpoint (sysexits EX_TEMPFAIL):
+#: "temporary failure, try again" -- rerunning resumes from weights/last.pt.
+EXIT_PREEMPTED = 75
+DEFAULT_LOCK_DIR = "/tmp/detscale-gpu-locks"
+#: How torchrun starts a rank. The ``--`` matters: torchrun's argparse would otherwise read our
+#: ``--run RUN_ID`` as an ambiguous abbreviation of its own ``--run-path`` and refuse to start.
+TORCHRUN_ENTRY = ("-m", "--", "detscale")
+
+
+class LaunchError(UserError):
+    """The ranks cannot be started as asked (devices, port, arguments)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DevicePlan:
+    """Where the ranks run: ``kind`` is ``cuda`` or ``cpu``; ``visible`` the CUDA_VISIBLE_DEVICES value."""
+
+    kind: str
+    nproc: int
+    visible: str | None = None
+    claimed_by_us: bool = False
+
+
+class GpuLocks:
+    """File locks on GPU slots, held until :meth:`release` (or process exit, which the kernel handles)."""
+
+    def __init__(self, lock_dir: str | Path) -> None:
+        self.lock_dir = Path(lock_dir)
+        self._held: dict[int, int] = {}
+
+    @property
+    def indices(self) -> list[int]:
+        return sorted(self._held)
+
+    def _try_one(self, index: int) -> bool:
+        fd = os.open(self.lock_dir / f"gpu{index}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        self._held[index] = fd
+        return True
+
+    def claim(self, count: int, available: int, timeout_s: float, poll_s: float = 2.0) -> list[int]:
+        """Claim ``count`` of the cards ``0..available-1``; wait up to ``timeout_s`` for them to be free."""
+        if count > available:
+            raise LaunchError(
+                f"asked for {count} GPU(s) but this host has {available}; use --gpus {available} or fewer, "
+                "or run on a host with more cards"
+            )
+        self.lock_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + timeout_s
+        announced = False
+        while True:
+            for index in range(available):
+                if len(self._held) == count:
+                    return self.indices
+                if index not in self._held:
+                    self._try_one(index)
+            if len(self._held) == count:
+                return self.indices
+            # All or nothing: give back partial claims so two waiting launchers cannot deadlock.
+            self.release()
+            if time.monotonic() >= deadline:
+                raise LaunchError(
+                    f"could not claim {count} free GPU(s) of {available} within {timeout_s:.0f} s: other "
+                    f"runs hold the locks in {self.lock_dir}; wait for them, or raise --lock-timeout"
+                )
+            if not announced:
+                log.info("waiting for %d free GPU(s) (locks in %s)", count, self.lock_dir)
+                announced = True
+            time.sleep(poll_s)
+
+    def release(self) -> None:
+        for fd in self._held.values():
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+        self._held.clear()
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices torch sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def plan_devices(
+    nproc: int,
+    locks: GpuLocks,
+    visible: str | None,
+    device_count: int,
+    lock_timeout_s: float,
+) -> DevicePlan:
+    """Decide where ``nproc`` local ranks run and claim the cards (see the module docstring)."""
+    if visible is not None and visible.strip() != "":
+        given = [v for v in visible.split(",") if v.strip()]
+        if device_count == 0:
+            log.warning("CUDA_VISIBLE_DEVICES=%s is set but CUDA is unavailable: %d CPU rank(s)", visible, nproc)
+            return DevicePlan("cpu", nproc, visible)
+        if nproc > len(given):
+            raise LaunchError(
+                f"asked for {nproc} GPU(s) but CUDA_VISIBLE_DEVICES={visible} gives {len(given)}; "
+                f"use --gpus {len(given)} or fewer, or ask Slurm/your environment for more cards"
+            )
+        return DevicePlan("cuda", nproc, ",".join(given[:nproc]))
+    if device_count == 0:
+        return DevicePlan("cpu", nproc)
+    claimed = locks.claim(nproc, device_count, lock_timeout_s)
+    return DevicePlan("cuda", nproc, ",".join(map(str, claimed)), claimed_by_us=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Port
+# ---------------------------------------------------------------------------------------------
+
+
+def port_is_free(port: int, host: str = "") -> bool:
+    """True when a TCP socket can bind ``port`` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_port(requested: int | None) -> int:
+    """The requested port if free (else a clear error), or one the OS picks."""
+    if requested is not None:
+        if not port_is_free(requested):
+            raise LaunchError(
+                f"rendezvous port {requested} is already in use (another run or service holds it); "
+                "leave out --port to let detscale pick a free one, or pass --standalone"
+            )
+        return requested
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------------
+
+
+def torchrun_command(
+    nproc: int,
+    train_argv: Sequence[str],
+    port: int | None,
+    max_restarts: int,
+    entry: Sequence[str] = TORCHRUN_ENTRY,
+) -> list[str]:
+    """``python -m torch.distributed.run ...`` for one node; ``port=None`` means ``--standalone``.
+
+    ``entry`` is what torchrun starts (tests put ``("--", "script.py")`` there).
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc)]
+    if port is None:
+        cmd += ["--standalone"]
+    else:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}"]
+    cmd += ["--max-restarts", str(max_restarts), *entry, *train_argv]
+    return cmd
+
+
+def multinode_command(nodes: int, gpus_per_node: int, train_argv: list[str], max_restarts: int,
+                      port: int) -> list[str]:
+    """The srun + torchrun command of a multi-node run, from :mod:`detscale.slurm`."""
+    try:
+        from detscale.slurm import multinode_command as build
+    except ImportError as exc:
+        raise LaunchError(
+            f"--nodes {nodes} needs detscale.slurm.multinode_command, which is not available ({exc}); "
+            "run with --nodes 1, or install a detscale version with Slurm support"
+        ) from None
+    return build(nodes=nodes, gpus_per_node=gpus_per_node, train_argv=train_argv,
+                 max_restarts=max_restarts, port=port, entry=TORCHRUN_ENTRY)
+
+
+@contextlib.contextmanager
+def _forward_signals(child: subprocess.Popen) -> Iterator[list[int]]:
+    """Forward SIGINT/SIGTERM to ``child`` while inside; yields the list of signals received."""
+    received: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
+    """Run ``cmd`` in its own session (so a terminal's Ctrl-C reaches it once, through us)."""
+    log.info("launch: %s", " ".join(cmd))
+    child = subprocess.Popen(list(cmd), env=env, start_new_session=True)
+    with _forward_signals(child) as received:
+        while True:
+            try:
+                code = child.wait()
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries wait() for us
+                continue
+    if signal.SIGTERM in received:
+        return EXIT_PREEMPTED
+    if signal.SIGINT in received:
+        return 130
+    return code
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    gpus: int
+    nodes: int
+    threads: int
+    max_restarts: int
+    port: int | None
+    standalone: bool
+    lock_timeout_s: float
+    train_argv: tuple[str, ...]
+
+
+def launch(req: LaunchRequest) -> int:
+    """Claim devices and a port, run torchrun, hold the locks until it ends; returns its exit code."""
+    env = dict(os.environ)
+    if req.nodes > 1:
+        port = pick_port(req.port)
+        cmd = multinode_command(req.nodes, req.gpus // req.nodes, list(req.train_argv), req.max_restarts, port)
+        return run_child(cmd, env)
+    locks = GpuLocks(os.environ.get("DETSCALE_GPU_LOCK_DIR", DEFAULT_LOCK_DIR))
+    try:
+        plan = plan_devices(req.gpus, locks, os.environ.get("CUDA_VISIBLE_DEVICES"), cuda_device_count(),
+                            req.lock_timeout_s)
+        if plan.visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = plan.visible
+        if plan.kind == "cpu":
+            env["OMP_NUM_THREADS"] = str(req.threads)
+            cores = os.cpu_count() or 1
+            if req.gpus * req.threads > cores:
+                log.warning("%d rank(s) x %d thread(s) > %d CPU core(s): ranks will compete for cores",
+                            req.gpus, req.threads, cores)
+        log.info("launch: %d %s rank(s)%s", req.gpus, plan.kind,
+                 f" on CUDA_VISIBLE_DEVICES={plan.visible}" if plan.kind == "cuda" else
+                 f", {req.threads} thread(s) each")
+        port = None if req.standalone else pick_port(req.port)
+        return run_child(torchrun_command(req.gpus, req.train_argv, port, req.max_restarts), env)
+    finally:
+        locks.release()
