@@ -5,7 +5,11 @@ from snakemake.utils import min_version, validate
 min_version("8.0")
 
 
-configfile: "config/config.yaml"
+# The default config, unless the command line names one: `--configfile X` then replaces it
+# instead of being merged into it (a merge would mix the default synthetic dataset into X's).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 report: "workflow/report/workflow.rst"
