@@ -220,3 +220,38 @@ def test_cli_quarantine_prints_a_summary(defective, tmp_path):
     assert f"kept {len(KEPT_TRAIN)}, dropped {len(BAD_TRAIN)}" in done.stdout
     assert "image_truncated" in done.stdout and "clean view" in done.stdout
     assert len(done.stdout.splitlines()) < 60  # one screen
+
+
+def snakemake(workdir: Path, dataset: dict, target: str) -> subprocess.CompletedProcess:
+    """Run the real workflow's data stages in ``workdir`` with the default config's other sections."""
+    repo = Path(__file__).resolve().parents[1]
+    cfg = yaml.safe_load((repo / "config" / "config.yaml").read_text())
+    cfg["dataset"] = dataset
+    (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [str(Path(sys.executable).parent / "snakemake"), "-s", str(repo / "Snakefile"), "--directory", str(workdir),
+           "--configfile", str(workdir / "config.yaml"), "--cores", "2", target]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir)
+
+
+def test_workflow_generates_and_validates_the_synthetic_dataset(tmp_path):
+    synthetic = {"seed": 1, "imgsz": 64, "train": 6, "val": 3, "objects": [1, 3], "object_size": [0.1, 0.5]}
+    done = snakemake(tmp_path, {"name": "tiny", "synthetic": synthetic, "on_error": "fail"},
+                     "results/data/tiny/validation.json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = formats.load_spec(tmp_path / "results" / "data" / "tiny" / "data.yaml")
+    assert len(spec.splits["train"]) == 6 and len(spec.splits["val"]) == 3
+    assert (tmp_path / "results" / "benchmarks" / "tiny" / "validate.tsv").is_file()
+    again = snakemake(tmp_path, {"name": "tiny", "synthetic": synthetic, "on_error": "fail"},
+                      "results/data/tiny/validation.json")
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+
+
+def test_workflow_stops_on_a_defective_dataset_with_the_summary_in_the_log(defective, tmp_path):
+    before = tree_digest(defective.parent)
+    done = snakemake(tmp_path, {"name": "bad", "data_yaml": str(defective), "on_error": "fail"},
+                     "results/data/bad/validation.json")
+    assert done.returncode != 0
+    log = (tmp_path / "results" / "logs" / "bad" / "validate.log").read_text()
+    assert "error(s) in the dataset" in log and "class_range.txt:1" in log and "Traceback" not in log
+    assert not (tmp_path / "results" / "data" / "bad" / "data.yaml").exists()
+    assert tree_digest(defective.parent) == before
