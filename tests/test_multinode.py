@@ -39,7 +39,7 @@ def test_multinode_command_argv() -> None:
         "/venv/bin/python", "-m", "torch.distributed.run",
         "--nnodes=2", "--nproc-per-node=4",
         "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07.ib:29511", "--rdzv-id=4242", "--max-restarts=3",
-        "-m", "detscale", *argv,
+        "-m", "--", "detscale", *argv,
     ]
 
 

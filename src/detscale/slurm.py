@@ -187,7 +187,7 @@ def multinode_command(
     *,
     env: Mapping[str, str] | None = None,
     python: str | None = None,
-    entry: Sequence[str] = ("-m", "detscale"),
+    entry: Sequence[str] = ("-m", "--", "detscale"),
     resolve: Callable[[str], str] = node_address,
 ) -> list[str]:
     """The argv that runs ``detscale <train_argv>`` on ``nodes`` x ``gpus_per_node`` ranks.
@@ -196,7 +196,8 @@ def multinode_command(
     ``python -m torch.distributed.run`` with the current interpreter, so the same environment
     runs everywhere) that joins the c10d rendezvous at ``FIRST_NODE:port`` under the job id.
     ``train_argv`` starts with the subcommand, e.g. ``["train", "--config", ...]``; ``entry``
-    is what torchrun runs it with (``-m detscale``; tests put a script there). ``env`` (default
+    is what torchrun runs it with: ``-m -- detscale``, where ``--`` keeps torchrun's argparse
+    from reading ``--run RUN_ID`` as an ambiguous abbreviation of its ``--run-path``. ``env`` (default
     ``os.environ``) and ``resolve`` (node name -> address, default :func:`node_address`) are
     there for tests.
 
