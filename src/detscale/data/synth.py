@@ -167,15 +167,23 @@ def add_noise(img: np.ndarray, amplitude: int, rng: np.random.Generator) -> np.n
 def _pick_colour(rng: np.random.Generator, covered: np.ndarray) -> np.ndarray:
     """A random colour that stands out from the mean of the pixels it will cover."""
     mean = covered.reshape(-1, 3).mean(axis=0)
-    best, best_d = None, -1.0
-    for _ in range(10):
-        colour = rng.integers(0, 256, 3).astype(np.float32)
-        d = float(np.linalg.norm(colour - mean))
-        if d >= MIN_CONTRAST:
-            return colour
-        if d > best_d:
-            best, best_d = colour, d
-    return best  # type: ignore[return-value]
+    candidates = rng.integers(0, 256, (10, 3)).astype(np.float32)
+    distance = np.linalg.norm(candidates - mean, axis=1)
+    good = np.flatnonzero(distance >= MIN_CONTRAST)
+    return candidates[good[0] if good.size else int(distance.argmax())]
+
+
+@dataclass
+class _Placed:
+    """An object drawn so far; ``visible`` (pixels) shrinks as later objects cover it."""
+
+    cls: int
+    colour: np.ndarray
+    x0: int
+    y0: int
+    side: int
+    area: int
+    visible: int
 
 
 def render(params: SynthParams, rng: np.random.Generator) -> tuple[np.ndarray, list[SynthObject]]:
@@ -185,7 +193,7 @@ def render(params: SynthParams, rng: np.random.Generator) -> tuple[np.ndarray, l
     owner = np.full((size, size), -1, np.int16)  # which object each pixel shows; -1 = background
     n_target = int(rng.integers(params.objects[0], params.objects[1] + 1))
     log_lo, log_hi = math.log(params.object_size[0]), math.log(params.object_size[1])
-    placed: list[dict] = []  # cls, colour, x0, y0, side, area, visible (pixels)
+    placed: list[_Placed] = []
     for _ in range(n_target):
         shape = int(rng.integers(0, len(SHAPES)))
         for attempt in range(PLACEMENT_TRIES):
@@ -198,13 +206,13 @@ def render(params: SynthParams, rng: np.random.Generator) -> tuple[np.ndarray, l
             mask = shape_mask(SHAPES[shape], side, rng).astype(bool)
             region = owner[y0:y0 + side, x0:x0 + side]
             hidden = np.bincount(region[mask][region[mask] >= 0], minlength=len(placed))
-            if all(p["visible"] - hidden[j] >= MIN_VISIBLE * p["area"] for j, p in enumerate(placed)):
+            if all(p.visible - hidden[j] >= MIN_VISIBLE * p.area for j, p in enumerate(placed)):
                 break
         else:
             log.debug("object %d could not be placed without hiding another; skipped", len(placed))
             continue
         for j, p in enumerate(placed):
-            p["visible"] -= int(hidden[j])
+            p.visible -= int(hidden[j])
         k = len(placed)
         roi = img[y0:y0 + side, x0:x0 + side]
         colour = _pick_colour(rng, roi[mask])
@@ -215,16 +223,14 @@ def render(params: SynthParams, rng: np.random.Generator) -> tuple[np.ndarray, l
         roi[mask] = np.broadcast_to(painted, roi.shape)[mask]
         region[mask] = k
         area = int(mask.sum())
-        placed.append({"cls": shape, "colour": colour, "x0": x0, "y0": y0, "side": side, "area": area,
-                       "visible": area})
+        placed.append(_Placed(shape, colour, x0, y0, side, area, area))
     img = add_noise(img, int(rng.integers(1, 6)), rng)
     objects = []
     for k, p in enumerate(placed):
-        x0, y0, side = p["x0"], p["y0"], p["side"]
-        ys, xs = np.nonzero(owner[y0:y0 + side, x0:x0 + side] == k)
-        box = (x0 + int(xs.min()), y0 + int(ys.min()), x0 + int(xs.max()) + 1, y0 + int(ys.max()) + 1)
-        colour = tuple(int(v) for v in p["colour"])
-        objects.append(SynthObject(p["cls"], colour, box, p["visible"] / p["area"]))  # type: ignore[arg-type]
+        ys, xs = np.nonzero(owner[p.y0:p.y0 + p.side, p.x0:p.x0 + p.side] == k)
+        box = (p.x0 + int(xs.min()), p.y0 + int(ys.min()), p.x0 + int(xs.max()) + 1, p.y0 + int(ys.max()) + 1)
+        b, g, r = (int(v) for v in p.colour)
+        objects.append(SynthObject(p.cls, (b, g, r), box, p.visible / p.area))
     return img, objects
 
 
