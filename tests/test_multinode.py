@@ -108,3 +108,65 @@ def test_two_agents_rendezvous_and_agree_on_weights(tmp_path: Path) -> None:
     # ... yet the all-reduced gradients left every rank with the same weights, which changed.
     assert results[0]["weights_digest"] == results[1]["weights_digest"], logs
     assert results[0]["weights_digest"] != results[0]["initial_digest"]
+
+
+TRAIN_CONFIG = """\
+dataset:
+  name: tiny
+  data_yaml: {data_yaml}
+grid:
+  model: [gelan-t]
+  imgsz: [64]
+  gpus: [2]
+  batch: [2]
+  cache: [none]
+  precision: [fp32]
+  epochs: 1
+train:
+  warmup_epochs: 0
+  close_mosaic: 0
+  workers: 0
+  cpu_threads_per_rank: 1
+  max_restarts: 0
+augment:
+  mosaic: 0.0
+"""
+
+
+@pytest.mark.slow
+def test_two_agents_run_detscale_train(tmp_path: Path) -> None:
+    """The real trainer across two torchrun agents (two 'nodes' of one rank each) through c10d."""
+    detscale = [sys.executable, "-m", "detscale"]
+    subprocess.run([*detscale, "synth", "--out", str(tmp_path / "data"), "--imgsz", "64", "--train", "8",
+                    "--val", "2", "--objects", "1", "2", "--workers", "1"],
+                   check=True, capture_output=True, timeout=120)
+    config = tmp_path / "config.yaml"
+    config.write_text(TRAIN_CONFIG.format(data_yaml=tmp_path / "data" / "data.yaml"))
+    run = subprocess.run([*detscale, "runs", "--config", str(config)], check=True, capture_output=True, text=True,
+                         timeout=60).stdout.split()[0]
+    out = tmp_path / "run"
+    # The torchrun part of multinode_command, with this machine standing in for both nodes.
+    cmd = multinode_command(2, 1, ["train", "--config", str(config), "--run", run, "--out", str(out),
+                                   "--data", str(tmp_path / "data" / "data.yaml")], 0, _free_port(),
+                            env=_env(SLURM_JOB_NODELIST="here[1-2]"), resolve=lambda _: "127.0.0.1")
+    agent_cmd = cmd[cmd.index(sys.executable):]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]  # noqa: SIM115 - closed below
+    agents = [subprocess.Popen(agent_cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path) for f in logs]
+    codes = []
+    for proc in agents:
+        try:
+            codes.append(proc.wait(timeout=300))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(proc.wait())
+    for f in logs:
+        f.close()
+    text = "\n".join((tmp_path / f"agent{i}.log").read_text()[-2000:] for i in range(2))
+    assert codes == [0, 0], text
+    env_json = json.loads((out / "env.json").read_text())
+    timing = json.loads((out / "timing.json").read_text())
+    assert env_json["world_size"] == 2 and len(env_json["rank_hosts"]) == 2, env_json
+    assert timing["world_size"] == 2 and timing["global_batch"] == 4
+    assert (out / "weights" / "last.pt").is_file()
