@@ -253,5 +253,7 @@ def test_workflow_stops_on_a_defective_dataset_with_the_summary_in_the_log(defec
     assert done.returncode != 0
     log = (tmp_path / "results" / "logs" / "bad" / "validate.log").read_text()
     assert "error(s) in the dataset" in log and "class_range.txt:1" in log and "Traceback" not in log
+    kept = (tmp_path / "results" / "logs" / "bad" / "validation-failed.md").read_text()
+    assert "# Dataset validation: FAILED" in kept and str(tmp_path / "results" / "logs") in log
     assert not (tmp_path / "results" / "data" / "bad" / "data.yaml").exists()
     assert tree_digest(defective.parent) == before

@@ -46,13 +46,15 @@ rule validate_dataset:
     conda:
         CONDA_ENV
     log:
-        f"results/logs/{DATASET}/validate.log",
+        main=f"results/logs/{DATASET}/validate.log",
+        # Written only when validation fails: Snakemake then deletes validation.md but keeps logs.
+        report=f"results/logs/{DATASET}/validation-failed.md",
     benchmark:
         f"results/benchmarks/{DATASET}/validate.tsv"
     threads: workflow.cores
     shell:
         "detscale validate {input.data_yaml} --out {params.out} --on-error {params.on_error}"
-        " --workers {threads} > {log} 2>&1"
+        " --workers {threads} --failed-report {log.report} > {log.main} 2>&1"
 
 
 # One cache per (split, image size): decoded and letterboxed once, read by every run of that size.

@@ -17,6 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on-error", choices=("fail", "quarantine"), default="fail",
                         help="what defects do: stop (fail, default) or leave the images out (quarantine)")
     parser.add_argument("--workers", type=int, default=0, help="worker processes (default 0: every core)")
+    parser.add_argument("--failed-report", metavar="PATH",
+                        help="when validation fails, also write validation.md here (e.g. a Snakemake log file, "
+                             "which survives a failed job)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     total = sum(len(p) for p in formats.load_spec(args.data_yaml).splits.values())
     with tqdm(total=total, desc="validate", unit="img", disable=None) as bar:
         report = validate(args.data_yaml, args.out, policy=args.on_error, workers=args.workers,
-                          progress=bar.update)
+                          progress=bar.update, failed_report=args.failed_report)
     sev = report.severity_counts()
     lines = [f"validate: {report.data_yaml} (on_error: {report.policy}, {report.seconds:.1f} s)"]
     for split, s in report.split_stats().items():

@@ -530,12 +530,13 @@ def validate(
     policy: str = "fail",
     workers: int = 0,
     progress: Callable[[int], object] | None = None,
+    failed_report: str | Path | None = None,
 ) -> ValidationReport:
     """Validate ``data_yaml`` and write the reports and the clean view to ``out``.
 
-    Raises :class:`ValidationFailed` (after writing validation.json and validation.md) when the
-    policy is ``fail`` and an error was found, and :class:`DatasetError` when quarantine leaves
-    a split without images.
+    Raises :class:`ValidationFailed` (after writing validation.json and validation.md, and a
+    copy of validation.md to ``failed_report`` when given) when the policy is ``fail`` and an
+    error was found, and :class:`DatasetError` when quarantine leaves a split without images.
     """
     if policy not in POLICIES:
         raise DatasetError(f"--on-error must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -552,9 +553,15 @@ def validate(
     _write_atomic(out / "validation.md", markdown(report))
     errors = report.severity_counts()["error"]
     if errors and policy == "fail":
+        where = out / "validation.md"
+        if failed_report is not None:
+            # Snakemake deletes a failed job's outputs but keeps its logs: a copy there survives.
+            where = Path(failed_report).resolve()
+            where.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(where, markdown(report))
         raise ValidationFailed(
             f"{spec.yaml_path}: {errors} error(s) in the dataset (on_error: fail)\n{summary_text(report)}\n"
-            f"Full report: {out / 'validation.md'}. Fix these files, or set dataset.on_error: quarantine "
+            f"Full report: {where}. Fix these files, or set dataset.on_error: quarantine "
             "(--on-error quarantine) to leave the defective images out."
         )
     empty = [split for split in images if not report.kept(split)]
