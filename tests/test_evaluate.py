@@ -219,3 +219,44 @@ def test_gather_sorts_deterministically():
     assert gather_predictions(list(reversed(dets))) == out
     assert all(type(d["image_id"]) is int and type(d["score"]) is float for d in out)
     assert gather_predictions([]) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# With the trainer's own checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_checkpoint_written_by_train_evaluates(tmp_path):
+    """`detscale train` (2 short epochs) -> last.pt -> `detscale evaluate` on 1 and 2 ranks.
+
+    Checks the checkpoint contract between the trainer and evaluation, on top of the metric
+    checks above: eval.json equal to pycocotools, and identical files from 1 and 2 ranks.
+    """
+    generate(tmp_path / "ds", seed=1, train=16, val=5, workers=1,
+             params=SynthParams(imgsz=96, objects=(1, 4), object_size=(0.15, 0.6)))
+    cfg = {
+        "dataset": {"name": "evtrain", "data_yaml": str(tmp_path / "ds" / "data.yaml")},
+        "grid": {"model": ["gelan-t"], "imgsz": [IMGSZ], "gpus": [1], "batch": [8], "cache": ["none"], "epochs": 2},
+        "train": {"workers": 0, "cpu_threads_per_rank": 1, "warmup_epochs": 0, "close_mosaic": 1,
+                  "timing_warmup_steps": 1, "timeout_s": 120},
+        "eval": {"batch": 2, "conf": 0.0001},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    s = SimpleNamespace(root=tmp_path, data=tmp_path / "ds" / "data.yaml", config=tmp_path / "config.yaml",
+                        weights=tmp_path / "run" / "weights" / "last.pt", run="gelan-t_128_g1_b8_none_fp32_r0",
+                        gt=tmp_path / "coco_val.json")
+    train = [sys.executable, "-m", "detscale", "train", "--config", str(s.config), "--run", s.run,
+             "--out", str(tmp_path / "run"), "--data", str(s.data)]
+    proc = run_cmd(train)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"out{ranks}"
+        proc = run_cmd(evaluate_cmd(s, out, ranks=ranks))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        files[ranks] = ((out / "predictions.json").read_bytes(), json.loads((out / "eval.json").read_text()))
+        files[ranks][1].pop("predictions")
+    assert files[1] == files[2]
+    assert len(json.loads(files[1][0])) > 0
+    assert_same(files[1][1], pycocotools_metrics(s.gt, tmp_path / "out1" / "predictions.json"))

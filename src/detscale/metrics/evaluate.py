@@ -121,6 +121,11 @@ def evaluate_model(
     the metrics and, when ``out_dir`` is given, writes ``predictions.json`` and ``eval.json``
     there atomically. The metrics dict (the ``eval.json`` keys; ``predictions`` is ``None``
     without ``out_dir``) is broadcast, so **every rank returns the same dict**.
+
+    ``model`` is used as given (in eval mode; pass it fused for speed) on the device of its
+    parameters. Images are decoded from the files (``cache_mode="none"``) unless a cache built
+    by ``detscale cache`` for this split and ``imgsz`` is named with ``cache_mode``/``cache_dir``.
+    If rank 0 fails (e.g. shards that do not cover the split), every rank raises.
     """
     device = next(model.parameters()).device
     t0 = time.perf_counter()
