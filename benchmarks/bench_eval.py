@@ -125,18 +125,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metric-images", type=int, default=1000)
     p.add_argument("--dets", type=int, default=100, help="detections per image for the metric timing")
     p.add_argument("--skip-inference", action="store_true")
+    p.add_argument("--skip-metrics", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     out: dict[str, object] = {"threads": args.threads, "torch": torch.__version__}
-    m = time_metrics(args.metric_images, args.dets)
-    scale = 1000 / args.metric_images
-    out["metrics"] = {**m, "images": args.metric_images, "dets_per_image": args.dets}
-    print(f"metrics, {args.metric_images} images x {args.dets} detections: faster-coco-eval "
-          f"{m['faster_coco_eval_s']:.2f} s, pycocotools {m['pycocotools_s']:.2f} s "
-          f"(x{m['pycocotools_s'] / m['faster_coco_eval_s']:.1f}); per 1000 images: "
-          f"{m['faster_coco_eval_s'] * scale:.2f} s vs {m['pycocotools_s'] * scale:.2f} s")
+    if not args.skip_metrics:
+        m = time_metrics(args.metric_images, args.dets)
+        scale = 1000 / args.metric_images
+        out["metrics"] = {**m, "images": args.metric_images, "dets_per_image": args.dets}
+        print(f"metrics, {args.metric_images} images x {args.dets} detections: faster-coco-eval "
+              f"{m['faster_coco_eval_s']:.2f} s, pycocotools {m['pycocotools_s']:.2f} s "
+              f"(x{m['pycocotools_s'] / m['faster_coco_eval_s']:.1f}); per 1000 images: "
+              f"{m['faster_coco_eval_s'] * scale:.2f} s vs {m['pycocotools_s'] * scale:.2f} s")
     if not args.skip_inference:
         inf = time_inference(args.images, args.batch, args.imgsz, nc=80)
         out["inference"] = {**inf, "model": "gelan-t (random init, fused)", "batch": args.batch, "imgsz": args.imgsz}
