@@ -152,3 +152,101 @@ def test_multinode_command_under_srun(cluster: None, tmp_path: Path) -> None:
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["world_size"] for r in results] == [2, 2]
     assert results[0]["weights_digest"] == results[1]["weights_digest"], text
+
+
+TINY = {
+    "dataset": {"name": "tiny", "synthetic": {"seed": 0, "imgsz": 64, "train": 8, "val": 4, "objects": [1, 2],
+                                              "object_size": [0.2, 0.5]}},
+    "grid": {"model": ["gelan-t"], "imgsz": [64], "gpus": [1, 2], "batch": [2], "cache": ["disk"],
+             "precision": ["fp32"], "repeats": 1, "epochs": 1, "seed": 0},
+    "train": {"warmup_epochs": 0, "close_mosaic": 0, "workers": 0, "timing_warmup_steps": 1},
+    "augment": {"mosaic": 0.0},
+    "eval": {"batch": 4},
+}
+
+
+def _test_profile(path: Path) -> Path:
+    """profiles/slurm with only its placeholders filled in for the test cluster (and faster polling)."""
+    import yaml
+
+    profile = yaml.safe_load((ROOT / "profiles" / "slurm" / "config.yaml").read_text())
+    defaults = profile["default-resources"]
+    defaults["slurm_partition"] = "debug"
+    del defaults["slurm_account"]  # no accounts without an accounting database
+    defaults["mem_mb"] = 1000  # the test node has little memory; the profile's sizes are for real nodes
+    profile["set-resources"]["train"].update(cpus_per_gpu=1, mem_mb=2000)
+    profile["set-resources"]["evaluate"]["mem_mb"] = 2000
+    profile["slurm-status-command"] = "squeue"  # no accounting database: sacct cannot answer
+    # The plugin polls after this many seconds, then 10 s later each time nothing finished: 8 s
+    # catches the short jobs of the tiny grid on their first or second poll.
+    profile["slurm-init-seconds-before-status-checks"] = 8
+    profile["latency-wait"] = 5
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
+    return path
+
+
+def _jobs(ids: list[str]) -> list[dict[str, str]]:
+    """``scontrol show job`` of finished jobs (kept for MinJobAge) as key -> value dicts."""
+    jobs = []
+    for jid in ids:
+        out = _run(["scontrol", "show", "job", "--oneliner", jid], 30).stdout
+        jobs.append(dict(item.split("=", 1) for item in out.split() if "=" in item))
+    return jobs
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_pipeline_through_slurm_profile(cluster: None, tmp_path: Path) -> None:
+    """The tiny grid (1 and 2 GPUs) end to end with ``--profile profiles/slurm`` on the test cluster."""
+    import yaml
+
+    work = tmp_path / "work"
+    work.mkdir()
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY, sort_keys=False))
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(work),
+           "--configfile", str(config), "--profile", str(_test_profile(tmp_path / "profile")),
+           # rule synth_dataset has `threads: workflow.cores`, which needs --cores even on a cluster;
+           # 4 is also all the test node has, so Snakemake never queues more than Slurm can run.
+           "--cores", "4",
+           # Both trainings (and both evaluations) at once: the test is about placement, not timing.
+           "--resources", "timed_run=2"]
+    proc = _run(cmd, 600, env=env)
+    log = proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert proc.returncode == 0, log
+
+    # Every non-local job went through sbatch: the plugin's Slurm logs, one per job, and its job ids.
+    log_dir = work / ".snakemake" / "slurm_logs"
+    slurm_logs = sorted(log_dir.rglob("*.log"))  # <rule_R or group_G>/[<wildcards>/]<job id>.log
+    ids = sorted({p.stem for p in slurm_logs}, key=int)
+    rules = {p.relative_to(log_dir).parts[0] for p in slurm_logs}
+    assert {"rule_train", "rule_evaluate"} <= rules, rules
+    # The profile's `data` group: synthetic data, validation and cache in one Slurm job.
+    assert any(r.startswith("group_data") for r in rules), rules
+    assert not {"rule_report", "rule_run_config"} & rules  # local rules stay local
+
+    # The training jobs asked Slurm for their GPUs, and the ranks saw exactly the cards Slurm gave.
+    runs = sorted((work / "results" / "runs").iterdir())
+    assert len(runs) == 2
+    cards = {}
+    for run in runs:
+        gpus = int(run.name.split("_g")[1].split("_")[0])
+        env_json = json.loads((run / "env.json").read_text())
+        job = _jobs([env_json["slurm_job_id"]])[0]
+        assert job.get("TresPerJob") == f"gres:gpu:{gpus}", job
+        visible = env_json["cuda_visible_devices"].split(",")
+        assert len(set(visible)) == gpus and set(visible) <= {"0", "1", "2", "3"}, env_json
+        assert env_json["world_size"] == gpus
+        cards[run.name] = (set(visible), job["StartTime"], job["EndTime"])
+    (a, start_a, end_a), (b, start_b, end_b) = cards.values()
+    if start_a < end_b and start_b < end_a:  # ran at the same time: Slurm gave them different cards
+        assert not a & b, cards
+    # Evaluation asked for CPUs only.
+    evals = [j for j in _jobs(ids) if "rule_evaluate" in j.get("Comment", "")]
+    assert len(evals) == 2 and all("gpu" not in j.get("TresPerJob", "") for j in evals), evals
+
+    report = work / "results" / "report"
+    assert (report / "index.html").is_file() and (report / "scaling.csv").is_file()
