@@ -10,15 +10,31 @@ statistics equal those of one process holding the whole global batch. On CUDA th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as tdist
 from torch import nn
 
 
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_reduce
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks whose gradient is again the sum over ranks (every rank's loss depends on it)."""
 
-    return all_reduce(t, op=tdist.ReduceOp.SUM)
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        out = grad.clone()
+        tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
+        return out
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    return _AllReduceSum.apply(t)
 
 
 class CpuSyncBatchNorm2d(nn.BatchNorm2d):
@@ -28,10 +44,15 @@ class CpuSyncBatchNorm2d(nn.BatchNorm2d):
         world = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
         if not self.training or world == 1:
             return super().forward(x)
+        # Statistics and normalisation in float64, as the CPU BatchNorm kernel accumulates them:
+        # float32 sums would make 2 ranks differ from 1 rank by far more than reordering noise.
+        dtype, x = x.dtype, x.double()
         dims = (0, 2, 3)
-        count = torch.tensor([float(x.numel() // x.shape[1])], dtype=x.dtype)
-        total = _all_reduce_sum(count.clone()).detach()
-        mean = _all_reduce_sum(x.sum(dims)) / total
+        count = torch.full((1,), float(x.numel() // x.shape[1]), dtype=x.dtype, device=x.device)
+        # one all-reduce for the sums and the element count (ranks may hold different batch sizes)
+        summed = _all_reduce_sum(torch.cat([x.sum(dims), count]))
+        total = summed[-1].detach()
+        mean = summed[:-1] / total
         centred = x - mean[None, :, None, None]
         var = _all_reduce_sum((centred * centred).sum(dims)) / total
         if self.track_running_stats:
@@ -39,12 +60,12 @@ class CpuSyncBatchNorm2d(nn.BatchNorm2d):
                 self.num_batches_tracked.add_(1)
                 m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
                 unbiased = var * (total / (total - 1).clamp(min=1))
-                self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
-                self.running_var.mul_(1 - m).add_(unbiased.detach(), alpha=m)
+                self.running_mean.mul_(1 - m).add_(mean.detach().to(dtype), alpha=m)
+                self.running_var.mul_(1 - m).add_(unbiased.detach().to(dtype), alpha=m)
         y = centred * torch.rsqrt(var + self.eps)[None, :, None, None]
         if self.affine:
-            y = y * self.weight[None, :, None, None] + self.bias[None, :, None, None]
-        return y
+            y = y * self.weight.double()[None, :, None, None] + self.bias.double()[None, :, None, None]
+        return y.to(dtype)
 
 
 def convert_sync_batchnorm(model: nn.Module, device_type: str) -> nn.Module:

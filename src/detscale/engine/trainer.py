@@ -256,8 +256,7 @@ def train_one_epoch(
     t_epoch = time.perf_counter() - progress.epoch_seconds_done
     bar = tqdm(total=nb, initial=progress.step, desc=f"epoch {epoch + 1}/{sem.epochs}", unit="batch",
                disable=not dist.is_main(), leave=False, mininterval=1.0, file=sys.stderr)
-    start = i = progress.step
-    stopped = False
+    i, stopped = progress.step, False
     t_prev = clock.now()
     while i < nb:
         imgs, targets, _metas = next(batches)
@@ -281,7 +280,7 @@ def train_one_epoch(
         bar.update(1)
         if bar.n % 10 == 0 or i == nb:
             # this rank's share of the global loss, x world size: an estimate of the global value
-            box, cls, dfl = (loss_sum * sem.world_size / (i - start)).tolist()
+            box, cls, dfl = (loss_sum * sem.world_size / i).tolist()
             bar.set_postfix_str(f"box={box:.3f} cls={cls:.3f} dfl={dfl:.3f}")
         if boundary and stop.agreed(device):
             stopped = True
