@@ -30,11 +30,13 @@ def _env(**values: str) -> dict[str, str]:
 def test_multinode_command_argv() -> None:
     argv = ["train", "--config", "c.yaml", "--run", "r1", "--out", "results/runs/r1"]
     cmd = multinode_command(2, 4, argv, max_restarts=3, port=29511,
-                            env=_env(SLURM_JOB_NODELIST="gpu[07-08]"), python="/venv/bin/python",
+                            env=_env(SLURM_JOB_NODELIST="gpu[07-08]", SLURM_CPUS_ON_NODE="32"),
+                            python="/venv/bin/python",
                             resolve=lambda name: f"{name}.ib")
     srun, torchrun = cmd[: cmd.index("/venv/bin/python")], cmd[cmd.index("/venv/bin/python"):]
     assert srun[0] == "srun"
-    assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--overlap", "--kill-on-bad-exit=1"} <= set(srun)
+    assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--cpus-per-task=32",
+            "--overlap", "--kill-on-bad-exit=1"} <= set(srun)
     assert torchrun == [
         "/venv/bin/python", "-m", "torch.distributed.run",
         "--nnodes=2", "--nproc-per-node=4",
@@ -47,14 +49,15 @@ def test_multinode_command_falls_back_to_scontrol(monkeypatch: pytest.MonkeyPatc
     # Snakemake's job-step executor drops SLURM_JOB_NODELIST; the node list then comes from scontrol.
     calls = []
 
-    def fake_scontrol(jid: str) -> str:
+    def fake_scontrol(jid: str) -> dict[str, str]:
         calls.append(jid)
-        return "a[3-4],b1"
+        return {"JobId": jid, "NodeList": "a[3-4],b1", "NumNodes": "3", "NumCPUs": "48"}
 
-    monkeypatch.setattr(slurm, "_nodelist_from_scontrol", fake_scontrol)
+    monkeypatch.setattr(slurm, "_scontrol_job", fake_scontrol)
     cmd = multinode_command(3, 1, ["train"], 0, 1234, env=_env(), python="py", resolve=str)
-    assert calls == ["4242"]
+    assert calls == ["4242", "4242"]
     assert "--rdzv-endpoint=a3:1234" in cmd
+    assert "--cpus-per-task=16" in cmd
 
 
 def test_multinode_command_needs_slurm_and_enough_nodes() -> None:
@@ -148,7 +151,8 @@ def test_two_agents_run_detscale_train(tmp_path: Path) -> None:
     # The torchrun part of multinode_command, with this machine standing in for both nodes.
     cmd = multinode_command(2, 1, ["train", "--config", str(config), "--run", run, "--out", str(out),
                                    "--data", str(tmp_path / "data" / "data.yaml")], 0, _free_port(),
-                            env=_env(SLURM_JOB_NODELIST="here[1-2]"), resolve=lambda _: "127.0.0.1")
+                            env=_env(SLURM_JOB_NODELIST="here[1-2]", SLURM_CPUS_ON_NODE="1"),
+                            resolve=lambda _: "127.0.0.1")
     agent_cmd = cmd[cmd.index(sys.executable):]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)

@@ -148,7 +148,10 @@ def test_multinode_command_under_srun(cluster: None, tmp_path: Path) -> None:
     )
     wrap = f"env -u SLURM_JOB_NODELIST -u SLURM_NODELIST OMP_NUM_THREADS=1 {sys.executable} {script}"
     text = _sbatch_wait(["--nodes=1", "--gpus=2", "--cpus-per-gpu=1", "--wrap", wrap], tmp_path / "job.out", 180)
-    assert "COMMAND srun --nodes=1" in text
+    command = next(line for line in text.splitlines() if line.startswith("COMMAND "))
+    # The node and its CPUs came from scontrol (the job holds 2 CPUs: 1 per GPU).
+    assert {"srun", "--nodes=1", "--gpus-per-node=2", "--cpus-per-task=2", "--rdzv-endpoint=127.0.0.1:29577"} <= set(
+        command.split()), command
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["world_size"] for r in results] == [2, 2]
     assert results[0]["weights_digest"] == results[1]["weights_digest"], text

@@ -122,23 +122,21 @@ def expand_hostlist(expr: str) -> list[str]:
     return hosts
 
 
-def _nodelist_from_scontrol(jid: str) -> str:
-    """The job's node list as Slurm knows it (for environments that dropped ``SLURM_JOB_NODELIST``)."""
+def _scontrol_job(jid: str) -> dict[str, str]:
+    """``scontrol show job`` of ``jid`` as key -> value (for environments that dropped ``SLURM_*``)."""
     if shutil.which("scontrol") is None:
         raise SlurmError(
-            f"cannot find the nodes of Slurm job {jid}: SLURM_JOB_NODELIST is not set and `scontrol` "
-            "is not on PATH; run `detscale launch --nodes M` inside the Slurm job (sbatch/salloc)"
+            f"cannot look up Slurm job {jid}: SLURM_JOB_NODELIST is not set and `scontrol` is not on PATH; "
+            "run `detscale launch --nodes M` inside the Slurm job (sbatch/salloc)"
         )
-    proc = subprocess.run(
-        ["scontrol", "show", "job", "--oneliner", jid], capture_output=True, text=True, timeout=60
-    )
-    match = re.search(r"(?:^|\s)NodeList=(\S+)", proc.stdout)
-    if proc.returncode != 0 or match is None or match.group(1) == "(null)":
+    proc = subprocess.run(["scontrol", "show", "job", "--oneliner", jid], capture_output=True, text=True, timeout=60)
+    record = dict(item.split("=", 1) for item in proc.stdout.split() if "=" in item)
+    if proc.returncode != 0 or record.get("NodeList", "(null)") == "(null)":
         raise SlurmError(
             f"cannot find the nodes of Slurm job {jid} with `scontrol show job`: "
             f"{(proc.stderr or proc.stdout).strip() or 'no NodeList in its answer'}"
         )
-    return match.group(1)
+    return record
 
 
 def job_nodes(env: Mapping[str, str] | None = None) -> list[str]:
@@ -150,8 +148,28 @@ def job_nodes(env: Mapping[str, str] | None = None) -> list[str]:
             "multi-node training needs a Slurm allocation (SLURM_JOB_ID is not set): submit it with "
             "`sbatch --nodes M` or run the workflow with `--profile profiles/slurm`, or use --nodes 1"
         )
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or _nodelist_from_scontrol(jid)
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or _scontrol_job(jid)["NodeList"]
     return expand_hostlist(nodelist)
+
+
+def cpus_per_node(env: Mapping[str, str] | None = None) -> int | None:
+    """CPUs the job holds on each node (``SLURM_CPUS_ON_NODE``, else scontrol's NumCPUs / NumNodes).
+
+    ``None`` when it cannot be known; the caller then leaves the CPU count to Slurm's default.
+    """
+    env = os.environ if env is None else env
+    value = env.get("SLURM_CPUS_ON_NODE", "").strip()
+    if value.isdigit():
+        return int(value)
+    jid = job_id(env)
+    if jid is None:
+        return None
+    try:
+        record = _scontrol_job(jid)
+        return max(1, int(record["NumCPUs"]) // int(record["NumNodes"].split("-")[0]))
+    except (SlurmError, KeyError, ValueError) as exc:
+        log.warning("cannot tell the CPUs per node of Slurm job %s (%s); srun uses its default", jid, exc)
+        return None
 
 
 def node_address(name: str) -> str:
@@ -201,8 +219,11 @@ def multinode_command(
     ``os.environ``) and ``resolve`` (node name -> address, default :func:`node_address`) are
     there for tests.
 
-    ``--overlap`` lets the step start even when the caller itself runs inside a job step that
-    holds the node's CPUs (Snakemake's job-step executor wraps rules in ``srun``);
+    Each task asks for the node's GPUs and CPUs explicitly (``--gpus-per-node``,
+    ``--cpus-per-task``): with a task/affinity or cgroup plugin a step task otherwise gets one
+    CPU, and all ranks and data loaders of the node would share it. ``--overlap`` lets the step
+    start even when the caller itself runs inside a job step that holds the node's CPUs
+    (Snakemake's job-step executor wraps rules in ``srun``);
     ``--kill-on-bad-exit`` ends every agent when one fails instead of leaving them waiting on
     the rendezvous until its timeout.
     """
@@ -222,12 +243,15 @@ def multinode_command(
             f"({', '.join(hosts)}); submit it with `--nodes {nodes}` (the rule's `nodes` resource)"
         )
     head = resolve(hosts[0])
+    cpus = cpus_per_node(env)
     log.info("multi-node: %d node(s) x %d rank(s), rendezvous on %s:%d", nodes, gpus_per_node, head, port)
     return [
         "srun",
         f"--nodes={nodes}",
         f"--ntasks={nodes}",
         "--ntasks-per-node=1",
+        f"--gpus-per-node={gpus_per_node}",
+        *([f"--cpus-per-task={cpus}"] if cpus else []),
         "--overlap",
         "--kill-on-bad-exit=1",
         python or sys.executable,
