@@ -141,3 +141,13 @@ def test_mosaic_switch_reaches_persistent_workers(data_yaml: Path) -> None:
     # And the switch matters: the same item with mosaic on is a different image.
     i = batches[1][0][2][0]
     assert not torch.equal(ds[SampleKey(i, 1, True, 5)][0], ds[SampleKey(i, 1, False, 5)][0])
+
+
+def test_opencv_is_single_threaded_so_forked_workers_cannot_deadlock() -> None:
+    # A worker forked after the parent ran a parallel OpenCV call can hang in its first OpenCV
+    # call (seen: the seeded-batches test hung after the augmentation tests ran in one session).
+    import cv2
+
+    import detscale.data.dataset  # noqa: F401
+
+    assert cv2.getNumThreads() == 1

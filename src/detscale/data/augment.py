@@ -17,6 +17,11 @@ import numpy as np
 
 PAD_VALUE = 114  # grey used by the reference for letterbox padding and affine borders
 
+# OpenCV's own thread pool does not survive fork(): a DataLoader worker forked after the parent
+# ran a parallel OpenCV call can deadlock in its first one. Parallelism comes from loader workers
+# (and decoding processes) instead, so OpenCV runs single-threaded in every detscale process.
+cv2.setNumThreads(0)
+
 
 def letterbox(
     img: np.ndarray, imgsz: int, out: np.ndarray | None = None
@@ -201,4 +206,9 @@ def fliplr(img: np.ndarray, boxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     flipped = boxes.copy()
     flipped[:, 0] = w - boxes[:, 2]
     flipped[:, 2] = w - boxes[:, 0]
-    return np.ascontiguousarray(img[:, ::-1]), flipped
+    return cv2.flip(img, 1), flipped  # OpenCV's SIMD flip: several times faster than a numpy copy
+
+
+def to_chw(img: np.ndarray) -> np.ndarray:
+    """``[H, W, 3]`` -> contiguous ``[3, H, W]`` (OpenCV's planar split: much faster than a strided copy)."""
+    return np.stack(cv2.split(img))

@@ -48,10 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
 
-from detscale.data.augment import letterbox
 from detscale.data.formats import DatasetError, DatasetSpec
 from detscale.errors import UserError
 
@@ -83,6 +81,9 @@ def cache_paths(out_dir: str | Path, split: str, imgsz: int) -> tuple[Path, Path
 
 def decode_image(path: str | Path, data: bytes | None = None) -> np.ndarray:
     """Decode an image file to ``uint8 [H, W, 3]`` RGB; :class:`DatasetError` when unreadable."""
+    import cv2  # here, not at import: a process that only reads a built cache needs no OpenCV
+
+    import detscale.data.augment  # noqa: F401  (sets OpenCV single-threaded before any fork)
     if data is None:
         try:
             data = Path(path).read_bytes()
@@ -96,6 +97,8 @@ def decode_image(path: str | Path, data: bytes | None = None) -> np.ndarray:
 
 def load_letterboxed(path: str | Path, imgsz: int) -> tuple[np.ndarray, dict[str, Any]]:
     """Decode and letterbox one image (what ``cache: none`` does for every item)."""
+    from detscale.data.augment import letterbox
+
     img = decode_image(path)
     out, ratio, pad = letterbox(img, imgsz)
     return out, {"orig_shape": [int(img.shape[0]), int(img.shape[1])], "ratio": ratio, "pad": list(pad)}
@@ -109,7 +112,6 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(npy_path: str) -> None:
-    cv2.setNumThreads(1)  # one process per core already; OpenCV's own threads would oversubscribe
     _WORKER["array"] = np.load(npy_path, mmap_mode="r+")
 
 
@@ -121,6 +123,8 @@ def _fill_slot(job: tuple[int, str]) -> tuple[int, dict[str, Any]]:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise DatasetError(f"cannot read image {path}: {exc.strerror}") from None
+    from detscale.data.augment import letterbox
+
     img = decode_image(path, data)
     array = _WORKER["array"]
     _, ratio, pad = letterbox(img, array.shape[1], out=array[i])
@@ -233,6 +237,8 @@ def build_cache(
     (same bytes) is kept and its index refreshed.
     """
     from tqdm import tqdm
+
+    import detscale.data.augment  # noqa: F401  (OpenCV single-threaded before the pool forks)
 
     if split not in spec.splits:
         raise DatasetError(f"{spec.yaml_path}: no split '{split}' (have {', '.join(spec.splits)})")

@@ -165,7 +165,7 @@ class DetectionDataset(Dataset):
             "ratio": float(geometry["ratio"]),
             "pad": tuple(int(v) for v in geometry["pad"]),
         }
-        chw = torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1)))
+        chw = torch.from_numpy(aug.to_chw(np.asarray(img)))
         return chw, torch.from_numpy(labels.reshape(-1, 5)), meta
 
 

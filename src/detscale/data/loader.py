@@ -35,7 +35,9 @@ def collate(
     batch: Sequence[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]],
 ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, Any]]]:
     """``(imgs uint8 [B, 3, H, W], targets float32 [N, 6] (batch_idx, cls, cx, cy, w, h), metas)``."""
-    imgs = torch.stack([item[0] for item in batch])
+    # numpy's single-threaded copy: torch.stack would wake torch's intra-op thread pool, which
+    # costs more than the copy itself when the loader runs in a busy main process (workers=0).
+    imgs = torch.from_numpy(np.stack([item[0].numpy() for item in batch]))
     targets = [
         torch.cat([torch.full((len(labels), 1), float(b)), labels], dim=1) for b, (_, labels, _) in enumerate(batch)
     ]
