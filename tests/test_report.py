@@ -212,3 +212,17 @@ def test_stat_format():
     assert tables.Stat.of([1.0, 3.0, 2.0]).format(".1f") == "2.0 (1.0–3.0)"
     assert tables.Stat.of([0.5]).format(".0%") == "50%"
     assert tables.Stat.of([math.nan]).format(".1f") == "n/a"
+
+
+def test_environment_difference_is_flagged(tmp_path: Path):
+    config_path = write_config(tmp_path, [1, 2])
+    cfg = dsconfig.load(config_path)
+    dirs = [write_run(tmp_path / "runs", cfg, "gelan-t_64_g1_b8_disk_fp32_r0", 50.0, 0.5),
+            write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_r0", 90.0, 0.5)]
+    page = build_report(dirs, config_path, tmp_path / "report").html.read_text()
+    assert "environments differ" not in page
+    env = json.loads((dirs[1] / "env.json").read_text())
+    env.update(torch="other", world_size=2)
+    (dirs[1] / "env.json").write_text(json.dumps(env))
+    md = build_report(dirs, config_path, tmp_path / "report").markdown.read_text()
+    assert "environments differ in torch (" in md

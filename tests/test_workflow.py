@@ -110,6 +110,12 @@ def test_end_to_end_tiny(tmp_path: Path):
         timing = json.loads((tmp_path / "results" / "runs" / run / "timing.json").read_text())
         assert timing["world_size"] == int(run.split("_g")[1].split("_")[0])
 
+    # Snakemake's own report holds the registered plots
+    sm_report = tmp_path / "snakemake-report.html"
+    made = snakemake(tmp_path, "--configfile", str(config), "--cores", "1", "--report", str(sm_report), timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert all(f"{name}.png" in sm_report.read_text() for name in ("throughput", "efficiency", "map"))
+
     # a second run does nothing
     again = snakemake(tmp_path, "--configfile", str(config), "-n", "--cores", "2", timeout=120)
     assert again.returncode == 0 and planned_jobs(again) == {}, again.stderr[-3000:]

@@ -77,6 +77,21 @@ def device_note(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfi
             "\"GPUs\" are CPU ranks.")
 
 
+# env.json keys that differ between runs by design (a run's own rank count and config).
+PER_RUN_ENV_KEYS = frozenset({"world_size", "rank_hosts", "config_hash", "config_digest", "cuda_visible_devices",
+                              "slurm_job_id"})
+
+
+def environment_note(envs: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """A warning when the runs were measured with different software or hardware."""
+    keys = {k for env in envs.values() for k in env} - PER_RUN_ENV_KEYS
+    differ = sorted(k for k in keys if len({repr(env.get(k)) for env in envs.values()}) > 1)
+    if not differ:
+        return None
+    return ("The runs' environments differ in " + ", ".join(differ) + " (see Environment): numbers of different "
+            "software or hardware are compared; re-run the grid in one environment for a clean comparison.")
+
+
 def methods(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig) -> list[str]:
     """One sentence per reported quantity: what it is and how it was measured."""
     scaling = _span([r["scaling"] for r in rows])
@@ -133,6 +148,9 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     rows = tables.scaling_rows(runs)
     envs = {r.point.run_id: r.env for r in runs}
     notes = [device_note(rows, cfg, envs)]
+    env_note = environment_note(envs)
+    if env_note:
+        notes.append(env_note)
     notes += [f"Experiment point {g}: no 1-GPU run; speed-ups are relative to {b} GPUs."
               for g, b in sorted({(r["group"], r["baseline_gpus"]) for r in rows if r["baseline_gpus"] != 1})]
 

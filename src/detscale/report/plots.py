@@ -96,7 +96,8 @@ def plot_memory(frame, path: Path, gpu_label: str) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     sns.barplot(data=frame, x="gpus", y="peak_mem_gb_per_gpu", hue="point", estimator="median",
                 errorbar=("pi", 100), ax=ax)
-    ax.legend(fontsize="small")
+    ax.set_ylim(0, float(frame["peak_mem_gb_per_gpu"].max()) * 1.3)  # room for the legend
+    ax.legend(fontsize="small", loc="upper left")
     return _finish(fig, ax, path, PLOTS["memory"], gpu_label, what)
 
 
