@@ -211,3 +211,26 @@ def test_cache_command(data_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert cli_main(args[:-4] + ["--out", str(out)] + ["--imgsz", "50"]) == 2  # not a multiple of 32
     assert cli_main(["cache", "--data", str(tmp_path / "missing.yaml"), "--split", "val", "--imgsz", "64",
                      "--out", str(out)]) == 2
+
+
+def test_ram_mode_removes_orphaned_copies_but_not_busy_ones(
+    data_yaml: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fcntl
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("DETSCALE_SHM_DIR", str(shm))
+    orphan, busy = shm / "detscale-0000000000000000.npy", shm / "detscale-1111111111111111.npy"
+    orphan.write_bytes(b"left by a killed run")
+    busy.write_bytes(b"used by a running job")
+    fd = os.open(busy, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        spec = load_spec(data_yaml)
+        index_path = build_cache(spec, "val", IMGSZ, tmp_path / "cache", workers=1, progress=False)
+        cache = open_cache(index_path, "ram")
+        assert cache.created_shm and cache.mapped_path.parent == shm
+        assert not orphan.exists() and busy.exists()
+    finally:
+        os.close(fd)

@@ -408,6 +408,32 @@ def shm_dir() -> Path:
     return Path(os.environ.get(SHM_DIR_ENV, DEFAULT_SHM_DIR))
 
 
+def _sweep_orphans(directory: Path, keep: Path) -> None:
+    """Delete copies left behind by runs that died without cleaning up: nobody holds them now.
+
+    Safe against a process attaching at the same moment: attaching takes the copy's lock file
+    first, and a copy in use carries its users' shared flocks.
+    """
+    for path in directory.glob("detscale-*.npy"):
+        if path == keep:
+            continue
+        lock_path = path.with_suffix(".lock")
+        try:
+            with _locked(lock_path, 0.0):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # in use by a running job
+                finally:
+                    os.close(fd)
+                path.unlink(missing_ok=True)
+                lock_path.unlink(missing_ok=True)
+                log.info("cache: removed %s, left behind by a run that did not exit cleanly", path)
+        except (CacheError, OSError):
+            continue  # busy or already gone
+
+
 def _attach_shm(npy_path: Path, digest: str, timeout_s: float) -> tuple[_ShmLease, bool]:
     """Create (once per node) or join the shared-memory copy of ``npy_path``."""
     directory = shm_dir()
@@ -421,6 +447,7 @@ def _attach_shm(npy_path: Path, digest: str, timeout_s: float) -> tuple[_ShmLeas
     created = False
     with _locked(lock_path, timeout_s):
         if not target.exists():
+            _sweep_orphans(directory, keep=target)
             need, free = npy_path.stat().st_size, shutil.disk_usage(directory).free
             if need > free:
                 raise CacheError(
