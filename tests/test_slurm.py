@@ -1,9 +1,9 @@
-"""Slurm: host lists and allocation helpers (unit), and a real single-node Slurm cluster (``slurm``).
+"""Slurm: host lists and allocation helpers (unit), and a real Slurm cluster on this machine (``slurm``).
 
-The cluster tests bring up ``tests/slurm/cluster.sh`` (Debian's slurmctld, slurmd and munge with
-4 fake GPUs) and submit real jobs to it. They are skipped, with the script's output as the
-reason, where the cluster cannot be started (not root, no apt); set ``DETSCALE_REQUIRE_SLURM=1``
-(as CI does) to make that a failure instead.
+The cluster tests bring up ``tests/slurm/cluster.sh`` (Debian's slurmctld, munge and two slurmd
+on this machine, nodes dsnode1 and dsnode2 with 4 fake GPUs each) and submit real jobs to it.
+They are skipped, with the script's output as the reason, where the cluster cannot be started
+(not root, no apt); set ``DETSCALE_REQUIRE_SLURM=1`` (as CI should) to make that a failure instead.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _run(cmd: list[str], timeout: float, **kwargs: object) -> subprocess.Complet
 def _cluster_up() -> bool:
     """True when this script's daemons already run (then the fixture leaves them running)."""
     status = _run(["bash", str(CLUSTER), "status"], 30)
-    return status.stdout.count("running (pid") == 3
+    return status.returncode == 0 and "not started" not in status.stdout
 
 
 def _unavailable(reason: str) -> None:
@@ -129,32 +129,66 @@ def test_sbatch_job_gets_its_gpus(cluster: None, tmp_path: Path) -> None:
     assert env.get("CUDA_VISIBLE_DEVICES") == "0,1", text
 
 
-@pytest.mark.slurm
-def test_multinode_command_under_srun(cluster: None, tmp_path: Path) -> None:
-    """The srun + torchrun step of a multi-node run, on the one node this cluster has.
+MULTINODE_CONFIG = """\
+dataset:
+  name: tiny
+  data_yaml: {data_yaml}
+grid:
+  model: [gelan-t]
+  imgsz: [64]
+  gpus: [2]
+  nodes: 2
+  batch: [2]
+  cache: [none]
+  precision: [fp32]
+  epochs: 1
+train:
+  warmup_epochs: 0
+  close_mosaic: 0
+  workers: 0
+  cpu_threads_per_rank: 1
+  max_restarts: 0
+augment:
+  mosaic: 0.0
+"""
 
-    Run the way Snakemake's job-step executor runs a rule: without SLURM_JOB_NODELIST, so the
-    node (and its address) come from scontrol. Two ranks train a few DDP steps and agree.
-    """
-    probe = ROOT / "tests" / "multinode_probe.py"
-    script = tmp_path / "job.py"
-    script.write_text(
-        "import subprocess, sys\n"
-        "from detscale.slurm import multinode_command\n"
-        f"cmd = multinode_command(1, 2, ['--out', {str(tmp_path)!r}, '--steps', '2'], 0, 29577,\n"
-        f"                        entry=[{str(probe)!r}])\n"
-        "print('COMMAND', ' '.join(cmd), flush=True)\n"
-        "sys.exit(subprocess.call(cmd))\n"
-    )
-    wrap = f"env -u SLURM_JOB_NODELIST -u SLURM_NODELIST OMP_NUM_THREADS=1 {sys.executable} {script}"
-    text = _sbatch_wait(["--nodes=1", "--gpus=2", "--cpus-per-gpu=1", "--wrap", wrap], tmp_path / "job.out", 180)
-    command = next(line for line in text.splitlines() if line.startswith("COMMAND "))
-    # The node and its CPUs came from scontrol (the job holds 2 CPUs: 1 per GPU).
-    assert {"srun", "--nodes=1", "--gpus-per-node=2", "--cpus-per-task=2", "--rdzv-endpoint=127.0.0.1:29577"} <= set(
-        command.split()), command
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["world_size"] for r in results] == [2, 2]
-    assert results[0]["weights_digest"] == results[1]["weights_digest"], text
+# What Snakemake's job-step executor does before running a rule's command: it drops every
+# SLURM_* variable but the job's identity, so the node list and CPUs must come from scontrol.
+SCRUBBED_JOB = """\
+import os, sys
+keep = {"SLURM_JOB_ID", "SLURM_JOBID", "SLURM_CLUSTER_NAME", "SLURM_SUBMIT_DIR"}
+env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_", "SBATCH_")) or k in keep}
+os.execvpe(sys.argv[1], sys.argv[1:], env)
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_multinode_launch_across_two_nodes(cluster: None, tmp_path: Path) -> None:
+    """``detscale launch --nodes 2`` in a 2-node job: srun starts one torchrun agent per node,
+    they meet through c10d on the first node and the trainer runs with 2 ranks."""
+    detscale = [sys.executable, "-m", "detscale"]
+    subprocess.run([*detscale, "synth", "--out", str(tmp_path / "data"), "--imgsz", "64", "--train", "8",
+                    "--val", "2", "--objects", "1", "2", "--workers", "1"],
+                   check=True, capture_output=True, timeout=120)
+    config = tmp_path / "config.yaml"
+    config.write_text(MULTINODE_CONFIG.format(data_yaml=tmp_path / "data" / "data.yaml"))
+    run = _run([*detscale, "runs", "--config", str(config)], 60).stdout.split()[0]
+    (tmp_path / "scrub.py").write_text(SCRUBBED_JOB)
+    out = tmp_path / "run"
+    launch = [sys.executable, str(tmp_path / "scrub.py"), *detscale, "launch", "--gpus", "2", "--nodes", "2", "--",
+              "train", "--config", str(config), "--run", run, "--out", str(out),
+              "--data", str(tmp_path / "data" / "data.yaml")]
+    text = _sbatch_wait(["--nodes=2", "--ntasks=2", "--gpus-per-node=1", "--cpus-per-gpu=1",
+                         "--export=ALL,OMP_NUM_THREADS=1", "--wrap", " ".join(launch)], tmp_path / "job.out", 300)
+    timing = json.loads((out / "timing.json").read_text())
+    env_json = json.loads((out / "env.json").read_text())
+    assert timing["world_size"] == 2 and env_json["world_size"] == 2, text[-3000:]
+    # The srun step ran one task on each node: both slurmd logs launched step 0 of this job.
+    jid = env_json["slurm_job_id"]
+    for node in ("dsnode1", "dsnode2"):
+        log = (STATE / f"slurmd-{node}.log").read_text()
+        assert f"StepId={jid}.0" in log, f"no step {jid}.0 on {node}"
 
 
 TINY = {
@@ -243,9 +277,9 @@ def test_pipeline_through_slurm_profile(cluster: None, tmp_path: Path) -> None:
         visible = env_json["cuda_visible_devices"].split(",")
         assert len(set(visible)) == gpus and set(visible) <= {"0", "1", "2", "3"}, env_json
         assert env_json["world_size"] == gpus
-        cards[run.name] = (set(visible), job["StartTime"], job["EndTime"])
-    (a, start_a, end_a), (b, start_b, end_b) = cards.values()
-    if start_a < end_b and start_b < end_a:  # ran at the same time: Slurm gave them different cards
+        cards[run.name] = (set(visible), job["NodeList"], job["StartTime"], job["EndTime"])
+    (a, node_a, start_a, end_a), (b, node_b, start_b, end_b) = cards.values()
+    if node_a == node_b and start_a < end_b and start_b < end_a:  # shared a node at the same time
         assert not a & b, cards
     # Evaluation asked for CPUs only.
     evals = [j for j in _jobs(ids) if "rule_evaluate" in j.get("Comment", "")]

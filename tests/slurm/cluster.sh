@@ -1,27 +1,32 @@
 #!/usr/bin/env bash
-# A single-node Slurm cluster with 4 fake GPUs, for tests: start | stop | status.
+# A small Slurm cluster on this one machine, each node with 4 fake GPUs, for tests: start | stop | status.
+# Debian's slurmd is built with multiple-slurmd support, so several nodes (one slurmd each, on
+# its own port) run on one host; that makes multi-node jobs (srun across nodes) testable here.
 #
-#   tests/slurm/cluster.sh start    install (if missing), configure and start munged, slurmctld, slurmd;
-#                                   wait until the node is idle in `sinfo`
+#   tests/slurm/cluster.sh start    install (if missing), configure and start munged, slurmctld, one
+#                                   slurmd per node; wait until every node is idle in `sinfo`
 #   tests/slurm/cluster.sh stop     stop only the daemons this script started (by their pid files)
 #   tests/slurm/cluster.sh status   print the daemons' state and `sinfo`
 #
 # Needs root (it writes /etc/slurm/slurm.conf: Snakemake's job-step executor drops SLURM_CONF,
 # so every Slurm command must find the config at its default path). Environment:
 #   DETSCALE_SLURM_STATE    state folder (spool, logs, pid files, fake devices) [/tmp/detscale-slurm]
-#   DETSCALE_SLURM_NODE     the node's name in slurm.conf [dsnode]
-#   DETSCALE_SLURM_TIMEOUT  seconds to wait for the node to become idle [90]
+#   DETSCALE_SLURM_NODES    number of nodes, named dsnode1..N [2]
+#   DETSCALE_SLURM_TIMEOUT  seconds to wait for the nodes to become idle [90]
 #   DETSCALE_SLURM_FORCE=1  overwrite an /etc/slurm/slurm.conf this script did not write
 #   DETSCALE_SLURM_NO_INSTALL=1  never run apt-get (fail if the packages are missing)
 #
-# Facts this relies on (Debian 12, Slurm 22.05): GPU GRES needs File= device paths, and symlinks
+# Facts this relies on (Debian 12, Slurm 22.05): node names are not the host name, so each slurmd
+# starts with `-N <node>`; GPU GRES needs File= device paths, and symlinks
 # to /dev/null pass for nvidia0..3; without DefMemPerCPU every job takes the node's whole memory;
 # there is no accounting database, so `sacct` cannot answer and clients must use `squeue`
 # (MinJobAge keeps finished jobs visible to it for a while).
 set -euo pipefail
 
 STATE=${DETSCALE_SLURM_STATE:-/tmp/detscale-slurm}
-NODE=${DETSCALE_SLURM_NODE:-dsnode}
+NODES=${DETSCALE_SLURM_NODES:-2}
+NODE_NAMES=()
+for ((i = 1; i <= NODES; i++)); do NODE_NAMES+=("dsnode$i"); done
 TIMEOUT=${DETSCALE_SLURM_TIMEOUT:-90}
 CONF=/etc/slurm/slurm.conf
 GRES_CONF=/etc/slurm/gres.conf
@@ -57,11 +62,11 @@ write_config() {
     # At least 4 CPUs, whatever the host has: jobs only need to be scheduled, not to be fast, and
     # config_overrides makes slurmd trust slurm.conf instead of the hardware it finds.
     cpus=$(nproc); ((cpus < 4)) && cpus=4
-    mem_mb=$(awk '/MemTotal/ {print int($2 / 1024 / 2)}' /proc/meminfo)
+    mem_mb=$(awk -v n="$NODES" '/MemTotal/ {print int($2 / 1024 / 2 / n)}' /proc/meminfo)
     if [[ -e $CONF ]] && ! grep -qF "$MARKER" "$CONF" && [[ ${DETSCALE_SLURM_FORCE:-0} != 1 ]]; then
         die "$CONF exists and was not written by this script; set DETSCALE_SLURM_FORCE=1 to overwrite it"
     fi
-    mkdir -p /etc/slurm "$STATE/ctld" "$STATE/spool" "$STATE/dev"
+    mkdir -p /etc/slurm "$STATE/ctld" "$STATE/dev"
     for i in 0 1 2 3; do ln -sfn /dev/null "$STATE/dev/nvidia$i"; done
     cat >"$CONF" <<EOF
 $MARKER
@@ -71,11 +76,11 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/spool
+SlurmdSpoolDir=$STATE/spool-%n
 SlurmctldPidFile=$STATE/slurmctld.pid
-SlurmdPidFile=$STATE/slurmd.pid
+SlurmdPidFile=$STATE/slurmd-%n.pid
 SlurmctldLogFile=$STATE/slurmctld.log
-SlurmdLogFile=$STATE/slurmd.log
+SlurmdLogFile=$STATE/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 SlurmdParameters=config_overrides
@@ -93,13 +98,14 @@ MinJobAge=600
 ReturnToService=2
 KillWait=10
 SchedulerType=sched/backfill
-NodeName=$NODE NodeHostname=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb Gres=gpu:4 State=UNKNOWN
-PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 EOF
-    cat >"$GRES_CONF" <<EOF
-$MARKER
-NodeName=$NODE Name=gpu File=$STATE/dev/nvidia[0-3]
-EOF
+    local i
+    for ((i = 1; i <= NODES; i++)); do
+        echo "NodeName=dsnode$i NodeHostname=$host NodeAddr=127.0.0.1 Port=$((6817 + i)) CPUs=$cpus" \
+            "RealMemory=$mem_mb Gres=gpu:4 State=UNKNOWN" >>"$CONF"
+    done
+    echo "PartitionName=debug Nodes=dsnode[1-$NODES] Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
+    printf '%s\nNodeName=dsnode[1-%d] Name=gpu File=%s/dev/nvidia[0-3]\n' "$MARKER" "$NODES" "$STATE" >"$GRES_CONF"
 }
 
 start_munge() {
@@ -135,22 +141,28 @@ start_daemon() {  # name, pid file, command...
 }
 
 wait_idle() {
-    local deadline=$((SECONDS + TIMEOUT)) state=""
+    local deadline=$((SECONDS + TIMEOUT)) states="" idle node
     while ((SECONDS < deadline)); do
-        state=$(sinfo -h -N -n "$NODE" -o '%t' 2>/dev/null | head -n 1 || true)
-        case $state in
-            idle | mix | alloc) say "node $NODE is $state"; return 0 ;;
-            drain* | down* | inval* | fail*)
-                # A node that was down in an earlier run's state comes back with an explicit resume.
-                scontrol update NodeName="$NODE" State=RESUME >/dev/null 2>&1 || true ;;
-        esac
+        states=$(sinfo -h -N -o '%N=%t' 2>/dev/null | sort -u | tr '\n' ' ' || true)
+        idle=0
+        for node in "${NODE_NAMES[@]}"; do
+            case " $states" in
+                *" $node=idle"* | *" $node=mix"* | *" $node=alloc"*) idle=$((idle + 1)) ;;
+                *" $node=drain"* | *" $node=down"* | *" $node=inval"* | *" $node=fail"*)
+                    # A node left down by an earlier run's state comes back with an explicit resume.
+                    scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true ;;
+            esac
+        done
+        if ((idle == NODES)); then say "nodes up: $states"; return 0; fi
         sleep 1
     done
     {
-        echo "node $NODE did not become idle within ${TIMEOUT}s (last state: '${state:-none}')"
+        echo "nodes did not become idle within ${TIMEOUT}s (last states: '${states:-none}')"
         sinfo -N -l 2>&1 || true
         echo "--- slurmctld.log"; tail -n 20 "$STATE/slurmctld.log" 2>/dev/null || true
-        echo "--- slurmd.log"; tail -n 20 "$STATE/slurmd.log" 2>/dev/null || true
+        for node in "${NODE_NAMES[@]}"; do
+            echo "--- slurmd-$node.log"; tail -n 10 "$STATE/slurmd-$node.log" 2>/dev/null || true
+        done
     } >&2
     die "cluster did not come up"
 }
@@ -163,7 +175,10 @@ cmd_start() {
     start_munge
     # -c: start from a clean state (no jobs left over from an earlier run).
     start_daemon slurmctld "$STATE/slurmctld.pid" slurmctld -c
-    start_daemon slurmd "$STATE/slurmd.pid" slurmd -N "$NODE"
+    local node
+    for node in "${NODE_NAMES[@]}"; do
+        start_daemon "slurmd-$node" "$STATE/slurmd-$node.pid" slurmd -N "$node"
+    done
     wait_idle
 }
 
@@ -179,14 +194,17 @@ stop_one() {  # name, pid file
 
 cmd_stop() {
     # Only what this script started: pid files under $STATE (a host's own munged has none there).
-    stop_one slurmd "$STATE/slurmd.pid"
+    local pidfile
+    for pidfile in "$STATE"/slurmd-*.pid; do
+        [[ -e $pidfile ]] && stop_one "$(basename "$pidfile" .pid)" "$pidfile"
+    done
     stop_one slurmctld "$STATE/slurmctld.pid"
     stop_one munged "$STATE/munged.pid"
 }
 
 cmd_status() {
     local name
-    for name in munged slurmctld slurmd; do
+    for name in munged slurmctld "${NODE_NAMES[@]/#/slurmd-}"; do
         if pid_alive "$STATE/$name.pid"; then echo "$name: running (pid $(cat "$STATE/$name.pid"))"
         else echo "$name: not started by this script"; fi
     done
