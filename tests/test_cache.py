@@ -208,6 +208,8 @@ def test_cache_command(data_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert cli_main(args) == 0
     assert (out / "val-64.npy").is_file() and (out / "val-64.json").is_file()
     assert "3 images" in capsys.readouterr().out
+    assert cli_main(args) == 0
+    assert "up to date" in capsys.readouterr().out
     assert cli_main(args[:-4] + ["--out", str(out)] + ["--imgsz", "50"]) == 2  # not a multiple of 32
     assert cli_main(["cache", "--data", str(tmp_path / "missing.yaml"), "--split", "val", "--imgsz", "64",
                      "--out", str(out)]) == 2
