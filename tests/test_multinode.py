@@ -33,11 +33,12 @@ def test_multinode_command_argv() -> None:
                             env=_env(SLURM_JOB_NODELIST="gpu[07-08]", SLURM_CPUS_ON_NODE="32"),
                             python="/venv/bin/python",
                             resolve=lambda name: f"{name}.ib")
-    srun, torchrun = cmd[: cmd.index("/venv/bin/python")], cmd[cmd.index("/venv/bin/python"):]
+    srun, agent = cmd[: cmd.index("/venv/bin/python")], cmd[cmd.index("/venv/bin/python"):]
     assert srun[0] == "srun"
     assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--cpus-per-task=32",
-            "--overlap", "--kill-on-bad-exit=1"} <= set(srun)
-    assert torchrun == [
+            "--overlap", "--kill-on-bad-exit=0"} <= set(srun)
+    assert agent[:3] == ["/venv/bin/python", "-m", "detscale.slurm"]  # maps Slurm's SIGTERM to exit 75
+    assert agent[3:] == [
         "/venv/bin/python", "-m", "torch.distributed.run",
         "--nnodes=2", "--nproc-per-node=4",
         "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07.ib:29511", "--rdzv-id=4242", "--max-restarts=3",
@@ -153,7 +154,7 @@ def test_two_agents_run_detscale_train(tmp_path: Path) -> None:
                                    "--data", str(tmp_path / "data" / "data.yaml")], 0, _free_port(),
                             env=_env(SLURM_JOB_NODELIST="here[1-2]", SLURM_CPUS_ON_NODE="1"),
                             resolve=lambda _: "127.0.0.1")
-    agent_cmd = cmd[cmd.index(sys.executable):]
+    agent_cmd = cmd[cmd.index(sys.executable):]  # what srun would start on each node
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]  # noqa: SIM115 - closed below

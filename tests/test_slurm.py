@@ -11,14 +11,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from detscale import slurm
+from detscale.launch import EXIT_PREEMPTED
 from detscale.slurm import SlurmError, expand_hostlist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +70,28 @@ def test_allocation_helpers() -> None:
 def test_job_nodes_prefers_environment() -> None:
     assert slurm.job_nodes({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "c[1-2]"}) == ["c1", "c2"]
     assert slurm.job_nodes({"SLURM_JOB_ID": "1", "SLURM_NODELIST": "d5"}) == ["d5"]
+
+
+_AGENT = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(1))  # as torchrun's agent: dies with status 1\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+    "sys.exit(3)\n"
+)
+
+
+def test_run_agent_maps_sigterm_to_requeue_status() -> None:
+    """Slurm signals the whole step: the wrapper turns the agent's death by SIGTERM into 75."""
+    wrapper = [sys.executable, "-m", "detscale.slurm", sys.executable, "-c", _AGENT]
+    proc = subprocess.Popen(wrapper, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    os.killpg(proc.pid, signal.SIGTERM)  # every process of the group, as slurmstepd does
+    assert proc.wait(timeout=30) == EXIT_PREEMPTED
+    # Without a signal the agent's own status passes through.
+    quick = subprocess.run([sys.executable, "-m", "detscale.slurm", sys.executable, "-c", "raise SystemExit(3)"],
+                           timeout=60)
+    assert quick.returncode == 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +167,7 @@ grid:
   batch: [2]
   cache: [none]
   precision: [fp32]
-  epochs: 1
+  epochs: 4
 train:
   warmup_epochs: 0
   close_mosaic: 0
@@ -162,13 +188,29 @@ os.execvpe(sys.argv[1], sys.argv[1:], env)
 """
 
 
+def _job_state(jid: str, timeout: float) -> dict[str, str]:
+    """``scontrol show job`` of ``jid`` once it has ended (fails the test after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = _jobs([jid])[0]
+        if job.get("JobState") not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+            return job
+        assert time.monotonic() < deadline, f"job {jid} still {job.get('JobState')} after {timeout:.0f} s"
+        time.sleep(0.5)
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_multinode_launch_across_two_nodes(cluster: None, tmp_path: Path) -> None:
-    """``detscale launch --nodes 2`` in a 2-node job: srun starts one torchrun agent per node,
-    they meet through c10d on the first node and the trainer runs with 2 ranks."""
+def test_multinode_launch_preempted_and_resumed(cluster: None, tmp_path: Path) -> None:
+    """``detscale launch --nodes 2`` in a 2-node job, stopped by Slurm's SIGTERM and run again.
+
+    srun starts one torchrun agent per node, they meet through c10d on the first node, and the
+    trainer runs with 2 ranks. ``scancel --signal=TERM`` signals every process of the job step on
+    both nodes, as ``--signal=TERM@300`` (the profile's) does before the time limit: the job ends
+    with the requeue status and a checkpoint, and the same job submitted again resumes from it.
+    """
     detscale = [sys.executable, "-m", "detscale"]
-    subprocess.run([*detscale, "synth", "--out", str(tmp_path / "data"), "--imgsz", "64", "--train", "8",
+    subprocess.run([*detscale, "synth", "--out", str(tmp_path / "data"), "--imgsz", "64", "--train", "16",
                     "--val", "2", "--objects", "1", "2", "--workers", "1"],
                    check=True, capture_output=True, timeout=120)
     config = tmp_path / "config.yaml"
@@ -178,17 +220,35 @@ def test_multinode_launch_across_two_nodes(cluster: None, tmp_path: Path) -> Non
     out = tmp_path / "run"
     launch = [sys.executable, str(tmp_path / "scrub.py"), *detscale, "launch", "--gpus", "2", "--nodes", "2", "--",
               "train", "--config", str(config), "--run", run, "--out", str(out),
-              "--data", str(tmp_path / "data" / "data.yaml")]
-    text = _sbatch_wait(["--nodes=2", "--ntasks=2", "--gpus-per-node=1", "--cpus-per-gpu=1",
-                         "--export=ALL,OMP_NUM_THREADS=1", "--wrap", " ".join(launch)], tmp_path / "job.out", 300)
+              "--data", str(tmp_path / "data" / "data.yaml"), "--resume"]
+    sbatch = ["sbatch", "--parsable", "--nodes=2", "--ntasks=2", "--gpus-per-node=1", "--cpus-per-gpu=1",
+              "--export=ALL,OMP_NUM_THREADS=1", "--wrap", " ".join(launch)]
+
+    first = _run([*sbatch, f"--output={tmp_path / 'first.out'}"], 60, cwd=ROOT).stdout.strip()
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 200
+    while not (metrics.is_file() and metrics.read_text().strip()):  # signal after the first epoch
+        assert _jobs([first])[0].get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), (
+            (tmp_path / "first.out").read_text()[-3000:])
+        assert time.monotonic() < deadline, "no epoch finished within 200 s"
+        time.sleep(0.2)
+    _run(["scancel", "--signal=TERM", first], 30)
+    job = _job_state(first, 120)
+    text = (tmp_path / "first.out").read_text()
+    assert job["ExitCode"] == f"{EXIT_PREEMPTED}:0", f"{job['JobState']} {job['ExitCode']}:\n{text[-3000:]}"
+    ckpt = torch.load(out / "weights" / "last.pt", map_location="cpu", weights_only=False)
+    assert 1 <= ckpt["epoch"] < 4, ckpt["epoch"]
+    # The srun step ran one task on each node: both slurmd logs launched step 0 of this job.
+    for node in ("dsnode1", "dsnode2"):
+        assert f"StepId={first}.0" in (STATE / f"slurmd-{node}.log").read_text(), f"no step {first}.0 on {node}"
+
+    second = _run([*sbatch, "--wait", f"--output={tmp_path / 'second.out'}"], 300, cwd=ROOT)
+    text = (tmp_path / "second.out").read_text()
+    assert second.returncode == 0, text[-3000:]
+    assert f"epoch {ckpt['epoch']}, step {ckpt['step']}" in text and "resuming from" in text, text[-3000:]
     timing = json.loads((out / "timing.json").read_text())
     env_json = json.loads((out / "env.json").read_text())
-    assert timing["world_size"] == 2 and env_json["world_size"] == 2, text[-3000:]
-    # The srun step ran one task on each node: both slurmd logs launched step 0 of this job.
-    jid = env_json["slurm_job_id"]
-    for node in ("dsnode1", "dsnode2"):
-        log = (STATE / f"slurmd-{node}.log").read_text()
-        assert f"StepId={jid}.0" in log, f"no step {jid}.0 on {node}"
+    assert timing["world_size"] == 2 and env_json["world_size"] == 2
 
 
 TINY = {

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -223,9 +224,13 @@ def multinode_command(
     ``--cpus-per-task``): with a task/affinity or cgroup plugin a step task otherwise gets one
     CPU, and all ranks and data loaders of the node would share it. ``--overlap`` lets the step
     start even when the caller itself runs inside a job step that holds the node's CPUs
-    (Snakemake's job-step executor wraps rules in ``srun``);
-    ``--kill-on-bad-exit`` ends every agent when one fails instead of leaving them waiting on
-    the rendezvous until its timeout.
+    (Snakemake's job-step executor wraps rules in ``srun``). ``--kill-on-bad-exit=0``
+    (explicit, clusters may default to 1): after a SIGTERM the ranks of other nodes may exit
+    before rank 0 has written its checkpoint, and killing it then would lose the checkpoint; a
+    rank that really fails ends the others through the process group's timeout.
+
+    Each agent runs under :func:`run_agent` (``python -m detscale.slurm``), which turns the
+    SIGTERM Slurm sends before a time limit or on preemption into :data:`EXIT_PREEMPTED`.
     """
     if nodes < 1 or gpus_per_node < 1:
         raise SlurmError(f"nodes and GPUs per node must be >= 1, got nodes={nodes}, gpus_per_node={gpus_per_node}")
@@ -253,7 +258,10 @@ def multinode_command(
         f"--gpus-per-node={gpus_per_node}",
         *([f"--cpus-per-task={cpus}"] if cpus else []),
         "--overlap",
-        "--kill-on-bad-exit=1",
+        "--kill-on-bad-exit=0",
+        python or sys.executable,
+        "-m",
+        "detscale.slurm",
         python or sys.executable,
         "-m",
         "torch.distributed.run",
@@ -266,3 +274,48 @@ def multinode_command(
         *entry,
         *train_argv,
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# One node's agent
+# ---------------------------------------------------------------------------------------------
+
+#: Exit status of a run stopped by SIGTERM after writing its checkpoint (same as ``detscale launch``).
+EXIT_PREEMPTED = 75
+
+
+def run_agent(argv: Sequence[str]) -> int:
+    """Run one node's ``torchrun`` agent (``argv``) and return its status, 75 after a SIGTERM.
+
+    Slurm signals every process of a job step, agent and ranks alike. The ranks stop at a step
+    boundary and rank 0 writes ``last.pt``; torchrun's agent dies of the signal with status 1,
+    which would read as a failure. So this records SIGTERM/SIGINT without forwarding them (the
+    agent already got them; a second one while it shuts its workers down would make it abandon
+    them), waits for the agent, and reports the requeue status.
+    """
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        child = subprocess.Popen(list(argv))
+        while True:
+            try:
+                code = child.wait()
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries wait() for us
+                continue
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if signal.SIGTERM in received:
+        return EXIT_PREEMPTED
+    if signal.SIGINT in received:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.stderr.write("usage: python -m detscale.slurm TORCHRUN_COMMAND...\n")
+        sys.exit(2)
+    sys.exit(run_agent(sys.argv[1:]))
