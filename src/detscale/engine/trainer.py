@@ -528,11 +528,43 @@ def summary_text(point: RunPoint, sem: TrainSemantics, report: dict[str, Any], b
 # ---------------------------------------------------------------------------------------------
 
 
+def join_attempt_group(timeout_s: float) -> None:
+    """Under torchrun, join the process group through a store namespace of this restart attempt.
+
+    torchrun keeps one rendezvous store across restarts, and the process group's keys (gloo
+    peer addresses, the NCCL unique id) carry no attempt number: a restarted rank can read a
+    dead peer's address from the failed attempt and fail with "Connection refused". Prefixing
+    the store with ``TORCHELASTIC_RESTART_COUNT`` keeps the attempts apart. Outside torchrun (or
+    with one rank) this does nothing and :func:`detscale.dist.init_from_env` creates the group.
+    """
+    import datetime as _dt
+
+    import torch.distributed as tdist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if attempt is None or world == 1 or tdist.is_initialized():
+        return
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    timeout = _dt.timedelta(seconds=timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it
+    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                           is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=True)
+    kwargs: dict[str, Any] = {"backend": "gloo", "store": tdist.PrefixStore(f"detscale/attempt{attempt}", store),
+                              "rank": rank, "world_size": world, "timeout": timeout}
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        kwargs.update(backend="nccl", device_id=device)
+    tdist.init_process_group(**kwargs)
+
+
 def train(req: TrainRequest) -> int:
     """Train one run on this rank (every rank calls it); returns the process exit code."""
     cfg = config.load(req.config_path)
     point = cfg.run(req.run_id)
     threads = int(os.environ.get("OMP_NUM_THREADS") or cfg.train.cpu_threads_per_rank)
+    join_attempt_group(cfg.train.timeout_s)
     with dist.process_group(cfg.train.timeout_s, cpu_threads=threads) as info:
         paths = RunPaths(Path(req.out_dir))
         with rank_logging(paths, info.rank):
