@@ -1,0 +1,182 @@
+"""Unit tests of the trainer's parts: semantics, optimiser groups, warm-up, schedule, EMA,
+CPU SyncBatchNorm, atomic checkpoints, timing report, logging per rank."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from detscale import config
+from detscale.engine import checkpoint as ckpt_io
+from detscale.engine.ema import ModelEMA
+from detscale.engine.optim import (
+    apply_warmup,
+    build_optimizer,
+    build_scheduler,
+    lr_factor,
+    split_parameters,
+    warmup_iterations,
+)
+from detscale.engine.semantics import config_digest, derive_semantics
+from detscale.engine.timing import RankTiming, timing_report
+
+
+def _cfg(**train: object) -> config.ExperimentConfig:
+    return config.from_dict({
+        "dataset": {"name": "x", "synthetic": {"imgsz": 64, "train": 4, "val": 2}},
+        "grid": {"gpus": [1, 2, 8], "batch": [16], "precision": ["bf16"], "epochs": 10},
+        "train": dict(train),
+    })
+
+
+@pytest.mark.parametrize(("gpus", "scaling", "accumulate", "lr_scale"), [
+    (1, "linear", 4, 1.0),  # 16 images x 4 = 64 per step: the nominal batch, no change
+    (2, "linear", 2, 1.0),
+    (8, "linear", 1, 2.0),  # 128 images per step: twice the nominal batch
+    (8, "sqrt", 1, math.sqrt(2.0)),
+    (8, "none", 1, 1.0),
+])
+def test_semantics_accumulate_lr_and_decay(gpus: int, scaling: str, accumulate: int, lr_scale: float) -> None:
+    cfg = _cfg(lr_scaling=scaling)
+    point = next(p for p in cfg.runs() if p.gpus == gpus)
+    sem = derive_semantics(cfg, point, gpus, "cpu")
+    assert sem.global_batch == 16 * gpus and sem.accumulate == accumulate
+    assert sem.lr0 == pytest.approx(0.01 * lr_scale)
+    assert sem.weight_decay == pytest.approx(0.0005 * 16 * gpus * accumulate / 64)
+    assert (sem.precision, sem.precision_requested) == ("fp32", "bf16")
+    assert "forced to fp32" in sem.precision_note
+    assert derive_semantics(cfg, point, gpus, "cuda").precision == "bf16"
+
+
+def test_world_size_must_match_the_run() -> None:
+    cfg = _cfg()
+    with pytest.raises(config.ConfigError, match="2-rank run but 1 rank"):
+        derive_semantics(cfg, cfg.runs()[1], 1, "cpu")
+
+
+def test_digest_ignores_runtime_settings_only() -> None:
+    point = _cfg().runs()[0]
+    assert config_digest(_cfg(), point) == config_digest(_cfg(workers=7, timeout_s=60), point)
+    assert config_digest(_cfg(), point) != config_digest(_cfg(lr0=0.02), point)
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1))
+
+
+def test_parameter_groups_and_decay() -> None:
+    net = _net()
+    groups = split_parameters(net)
+    assert [p.shape for p in groups["weight"]] == [(4, 3, 3, 3), (2, 4, 1, 1)]
+    assert [p.shape for p in groups["norm_weight"]] == [(4,)]
+    assert [p.shape for p in groups["bias"]] == [(4,), (2,)]  # BN bias and conv bias
+    opt = build_optimizer(net, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    decay = {g["name"]: g["weight_decay"] for g in opt.param_groups}
+    assert decay == {"weight": 1e-3, "norm_weight": 0.0, "bias": 0.0}
+    assert all(g["nesterov"] for g in opt.param_groups)
+
+
+def test_schedules_and_warmup() -> None:
+    for schedule in ("linear", "cosine"):
+        f = lr_factor(schedule, 10, 0.01)
+        assert f(0) == pytest.approx(1.0) and f(10) == pytest.approx(0.01)
+    assert warmup_iterations(3, 10, 100) == 100  # at least 100 iterations
+    assert warmup_iterations(3, 100, 100) == 300
+    assert warmup_iterations(3, 10, 4) == 20  # but at most half the run
+    assert warmup_iterations(0, 10, 4) == 0
+    net = _net()
+    opt = build_optimizer(net, lr=0.01, momentum=0.937, weight_decay=0.0)
+    build_scheduler(opt, "linear", 10, 0.01)
+    apply_warmup(opt, 0, 100, 1.0, warmup_bias_lr=0.1, warmup_momentum=0.8, momentum=0.937)
+    lrs = {g["name"]: g["lr"] for g in opt.param_groups}
+    assert lrs == {"weight": 0.0, "norm_weight": 0.0, "bias": 0.1}
+    assert all(g["momentum"] == pytest.approx(0.8) for g in opt.param_groups)
+    apply_warmup(opt, 50, 100, 1.0, warmup_bias_lr=0.1, warmup_momentum=0.8, momentum=0.937)
+    lrs = {g["name"]: g["lr"] for g in opt.param_groups}
+    assert lrs["weight"] == pytest.approx(0.005) and lrs["bias"] == pytest.approx(0.055)
+
+
+def test_ema_ramps_and_follows_weights_and_buffers() -> None:
+    net = _net()
+    ema = ModelEMA(net, decay=0.9999, tau=2000)
+    assert ema.decay(1) == pytest.approx(0.9999 * (1 - math.exp(-1 / 2000)))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+        net[1].running_mean.add_(2.0)
+        net[1].num_batches_tracked.add_(5)
+    before = ema.module[1].running_mean.clone()
+    ema.update(net)
+    d = ema.decay(1)
+    assert torch.allclose(ema.module[1].running_mean, before * d + net[1].running_mean * (1 - d))
+    assert int(ema.module[1].num_batches_tracked) == 5
+    assert not any(p.requires_grad for p in ema.module.parameters())
+
+
+def test_atomic_save_never_leaves_partial_files(tmp_path: Path) -> None:
+    path = tmp_path / "weights" / "last.pt"
+    ckpt_io.atomic_save({"model": {"w": torch.ones(3)}}, path)
+    assert ckpt_io.load_checkpoint(path)["model"]["w"].sum() == 3
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        ckpt_io.atomic_save({"model": Unpicklable()}, path)
+    assert ckpt_io.load_checkpoint(path)["model"]["w"].sum() == 3  # the old file is intact
+    assert os.listdir(path.parent) == ["last.pt"]  # and no temporary file is left
+    path.write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(ckpt_io.CheckpointError, match="cannot be read"):
+        ckpt_io.load_checkpoint(path)
+
+
+def test_rng_capture_restores_every_generator() -> None:
+    import random
+
+    import numpy as np
+
+    state = ckpt_io.capture_rng()
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    ckpt_io.restore_rng(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+
+
+def test_timing_excludes_warmup_steps_and_sums_ranks() -> None:
+    ranks = []
+    for speed in (1.0, 2.0):
+        t = RankTiming(warmup_steps=2)
+        for _epoch in range(2):
+            t.start_epoch()
+            t.record_step(8, 100.0, 100.0)  # warm-up: excluded however slow
+            t.record_step(8, 100.0, 100.0)
+            for _ in range(3):
+                t.record_step(8, 0.25 / speed, 0.75 / speed)
+        t.epoch_seconds = [1.0, 1.0]
+        ranks.append(t.state_dict())
+    mem = [{"kind": "rss", "bytes": 10, "reserved_bytes": None}, {"kind": "rss", "bytes": 20, "reserved_bytes": None}]
+    report = timing_report(ranks, mem, "cpu", "gloo", 8, 16, {"precision": "fp32"})
+    assert report["measured_steps"] == 6
+    assert report["images_per_s_per_rank"] == pytest.approx([8.0, 16.0])
+    assert report["images_per_s"] == pytest.approx(24.0)
+    assert report["data_wait_share"] == pytest.approx(0.25)
+    assert report["compute_share"] == pytest.approx(0.75)
+    assert report["peak_mem_bytes_per_rank"] == [10, 20] and report["mem_kind"] == "rss"
+    assert report["precision"] == "fp32"
+
+
+def test_cpu_sync_batchnorm_matches_batchnorm_alone() -> None:
+    from detscale.engine.syncbn import CpuSyncBatchNorm2d, convert_sync_batchnorm
+
+    net = convert_sync_batchnorm(_net(), "cpu")
+    assert isinstance(net[1], CpuSyncBatchNorm2d)
+    assert set(net.state_dict()) == set(_net().state_dict())  # checkpoints stay loadable into the plain model
+    ref = _net()
+    ref.load_state_dict(net.state_dict())
+    x = torch.randn(4, 3, 8, 8)
+    assert torch.allclose(net(x), ref(x), atol=1e-6)  # one process: the plain BatchNorm path
