@@ -130,6 +130,7 @@ def _max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: 
                for k in keys)
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_with_the_same_global_batch(tmp_path: Path, data_yaml: Path) -> None:
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(EQUIV_CONFIG.format(data_yaml=data_yaml))
