@@ -640,8 +640,7 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
             log.warning("no steady-state steps measured: every epoch has at most %d steps, all warm-up "
                         "(train.timing_warmup_steps); throughput is reported as 0", cfg.train.timing_warmup_steps)
         write_json(paths.out / "timing.json", report)
-        sys.stdout.write(summary_text(point, sem, report, progress.best_map) + "\n")
-        sys.stdout.flush()
+        log.info("%s", summary_text(point, sem, report, progress.best_map))
     dist.barrier()
     return 0
 
