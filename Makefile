@@ -28,7 +28,7 @@ setup: $(STAMP)
 export PATH := $(abspath $(BIN)):$(PATH)
 
 run: $(STAMP)
-	snakemake --cores $(CORES) --configfile $(CONFIG) --printshellcmds
+	snakemake --cores $(CORES) --configfile $(CONFIG) --rerun-incomplete --printshellcmds
 	@echo "report: results/report/index.html"
 
 test: $(STAMP)

@@ -46,5 +46,5 @@ rule train:
     shell:
         "detscale launch --gpus {params.gpus} {params.nodes} --threads {params.threads}"
         " --max-restarts {params.max_restarts} --"
-        " train --config {input.config} --run {wildcards.run} --out {params.out}"
+        " train --config {input.config} --run {wildcards.run} --out {params.out} --resume"
         " --data {input.data} {params.cache} > {log} 2>&1"
