@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,8 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 import yaml
+
+from helpers import tiny_dataset
 
 EQUIV_CONFIG = """\
 dataset:
@@ -75,10 +76,7 @@ train:
 @pytest.fixture(scope="module")
 def data_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ddp_data")
-    subprocess.run([sys.executable, "-m", "detscale", "synth", "--out", str(root), "--imgsz", "64", "--train", "40",
-                    "--val", "4", "--objects", "1", "3", "--object-size", "0.2", "0.5", "--workers", "1"],
-                   check=True, capture_output=True, timeout=120)
-    return root / "data.yaml"
+    return tiny_dataset(root, train=40, val=4)
 
 
 def _join(rank: int, world: int, store: str) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from detscale import slurm
 from detscale.slurm import SlurmError, multinode_command
+from helpers import tiny_dataset
 
 HERE = Path(__file__).resolve().parent
 
@@ -141,9 +142,7 @@ augment:
 def test_two_agents_run_detscale_train(tmp_path: Path) -> None:
     """The real trainer across two torchrun agents (two 'nodes' of one rank each) through c10d."""
     detscale = [sys.executable, "-m", "detscale"]
-    subprocess.run([*detscale, "synth", "--out", str(tmp_path / "data"), "--imgsz", "64", "--train", "8",
-                    "--val", "2", "--objects", "1", "2", "--workers", "1"],
-                   check=True, capture_output=True, timeout=120)
+    tiny_dataset(tmp_path / "data", train=8, val=2, objects=(1, 2), object_size=(0.02, 0.6))
     config = tmp_path / "config.yaml"
     config.write_text(TRAIN_CONFIG.format(data_yaml=tmp_path / "data" / "data.yaml"))
     run = subprocess.run([*detscale, "runs", "--config", str(config)], check=True, capture_output=True, text=True,

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from detscale.launch import EXIT_PREEMPTED
+from helpers import tiny_dataset
 
 EPOCHS = 4
 CONFIG = f"""\
@@ -52,8 +53,7 @@ def _detscale(*args: str) -> list[str]:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("preempt")
-    subprocess.run(_detscale("synth", "--out", str(root / "data"), "--imgsz", "64", "--train", "16", "--val", "4",
-                             "--objects", "1", "2", "--workers", "1"), check=True, capture_output=True, timeout=120)
+    tiny_dataset(root / "data", train=16, val=4, objects=(1, 2), object_size=(0.02, 0.6))
     config = root / "config.yaml"
     config.write_text(CONFIG.format(data_yaml=root / "data" / "data.yaml"))
     runs = subprocess.run(_detscale("runs", "--config", str(config)), check=True, capture_output=True, text=True,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 import detscale.engine.trainer as trainer
 from detscale.launch import EXIT_PREEMPTED, pick_port, torchrun_command
+from helpers import tiny_dataset
 
 CONFIG = """\
 dataset:
@@ -45,10 +45,7 @@ train:
 @pytest.fixture(scope="module")
 def data_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("resume_data")
-    subprocess.run([sys.executable, "-m", "detscale", "synth", "--out", str(root), "--imgsz", "64", "--train", "16",
-                    "--val", "2", "--objects", "1", "3", "--object-size", "0.2", "0.5", "--workers", "1"],
-                   check=True, capture_output=True, timeout=120)
-    return root / "data.yaml"
+    return tiny_dataset(root, train=16, val=2)
 
 
 def _train(cfg: Path, out: Path, data_yaml: Path, resume: bool = False) -> int:

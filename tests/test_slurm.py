@@ -24,6 +24,7 @@ import torch
 from detscale import slurm
 from detscale.launch import EXIT_PREEMPTED
 from detscale.slurm import SlurmError, expand_hostlist
+from helpers import tiny_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
@@ -210,9 +211,7 @@ def test_multinode_launch_preempted_and_resumed(cluster: None, tmp_path: Path) -
     with the requeue status and a checkpoint, and the same job submitted again resumes from it.
     """
     detscale = [sys.executable, "-m", "detscale"]
-    subprocess.run([*detscale, "synth", "--out", str(tmp_path / "data"), "--imgsz", "64", "--train", "16",
-                    "--val", "2", "--objects", "1", "2", "--workers", "1"],
-                   check=True, capture_output=True, timeout=120)
+    tiny_dataset(tmp_path / "data", train=16, val=2, objects=(1, 2), object_size=(0.02, 0.6))
     config = tmp_path / "config.yaml"
     config.write_text(MULTINODE_CONFIG.format(data_yaml=tmp_path / "data" / "data.yaml"))
     run = _run([*detscale, "runs", "--config", str(config)], 60).stdout.split()[0]
