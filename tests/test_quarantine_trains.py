@@ -45,6 +45,7 @@ def test_quarantined_dataset_trains_and_evaluates(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     timing = json.loads((run_dir / "timing.json").read_text())
     assert timing["world_size"] == 1 and timing["measured_steps"] > 0
+    assert 0 < timing["started_at"] < timing["finished_at"]
 
     proc = run("evaluate", "--weights", str(run_dir / "weights" / "last.pt"), "--config", str(config),
                "--run", run_id, "--out", str(run_dir), "--data", str(clean))

@@ -616,6 +616,8 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
         env["rank_hosts"] = hosts
         write_json(paths.out / "env.json", env)
 
+    # Wall-clock span of this attempt, so the report can check whether timed runs overlapped.
+    started_at = time.time()
     stop = StopFlag()
     stop.install()
     try:
@@ -633,7 +635,8 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
     if info.is_main:
         extra = {"threads_per_rank": threads if info.device.type == "cpu" else None, "precision": sem.precision,
                  "accumulate": sem.accumulate, "steps_per_epoch": len(train_loader), "epochs": sem.epochs,
-                 "workers_per_rank": cfg.train.workers, "cache": point.cache}
+                 "workers_per_rank": cfg.train.workers, "cache": point.cache,
+                 "started_at": started_at, "finished_at": time.time()}
         report = timing_report(timings, memory, info.device.type, info.backend, sem.batch_per_rank,
                                sem.global_batch, extra)
         if report["measured_steps"] == 0:
