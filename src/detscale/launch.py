@@ -254,12 +254,7 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
     log.info("launch: %s", " ".join(cmd))
     child = subprocess.Popen(list(cmd), env=env, start_new_session=True)
     with _forward_signals(child) as received:
-        while True:
-            try:
-                code = child.wait()
-                break
-            except InterruptedError:  # pragma: no cover - PEP 475 retries wait() for us
-                continue
+        code = child.wait()  # PEP 475: retried across the handled signals
     if signal.SIGTERM in received:
         return EXIT_PREEMPTED
     if signal.SIGINT in received:

@@ -298,12 +298,7 @@ def run_agent(argv: Sequence[str]) -> int:
                 for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         child = subprocess.Popen(list(argv))
-        while True:
-            try:
-                code = child.wait()
-                break
-            except InterruptedError:  # pragma: no cover - PEP 475 retries wait() for us
-                continue
+        code = child.wait()  # PEP 475: retried across the handled signals
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -136,7 +136,22 @@ class RepNCSP(nn.Module):
         return self.cv3(torch.cat((self.m(self.cv1(x)), self.cv2(x)), 1))
 
 
-class ELAN1(nn.Module):
+class _SplitChain(nn.Module):
+    """The ELAN pattern: ``cv1`` split in halves, ``cv2`` on the second, ``cv3`` on that, concat all, ``cv4``."""
+
+    cv1: nn.Module
+    cv2: nn.Module
+    cv3: nn.Module
+    cv4: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = list(self.cv1(x).chunk(2, 1))
+        y.append(self.cv2(y[-1]))
+        y.append(self.cv3(y[-1]))
+        return self.cv4(torch.cat(y, 1))
+
+
+class ELAN1(_SplitChain):
     """The small ELAN block of the T and S models (plain 3x3 convs instead of RepNCSP)."""
 
     def __init__(self, c1: int, c2: int, c3: int, c4: int) -> None:
@@ -146,14 +161,9 @@ class ELAN1(nn.Module):
         self.cv3 = Conv(c4, c4, 3)
         self.cv4 = Conv(c3 + 2 * c4, c2, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = list(self.cv1(x).chunk(2, 1))
-        y.append(self.cv2(y[-1]))
-        y.append(self.cv3(y[-1]))
-        return self.cv4(torch.cat(y, 1))
 
 
-class RepNCSPELAN4(nn.Module):
+class RepNCSPELAN4(_SplitChain):
     """GELAN block: split a 1x1 conv in halves and chain two RepNCSP+Conv3x3 branches on the second."""
 
     def __init__(self, c1: int, c2: int, c3: int, c4: int, n: int = 1) -> None:
@@ -162,12 +172,6 @@ class RepNCSPELAN4(nn.Module):
         self.cv2 = nn.Sequential(RepNCSP(c3 // 2, c4, n), Conv(c4, c4, 3))
         self.cv3 = nn.Sequential(RepNCSP(c4, c4, n), Conv(c4, c4, 3))
         self.cv4 = Conv(c3 + 2 * c4, c2, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = list(self.cv1(x).chunk(2, 1))
-        y.append(self.cv2(y[-1]))
-        y.append(self.cv3(y[-1]))
-        return self.cv4(torch.cat(y, 1))
 
 
 class SPPELAN(nn.Module):
