@@ -17,12 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from detscale import launch as launch_mod
+from detscale import slurm
 from detscale.config import RunPoint
 from detscale.engine.semantics import check_world_size
 from detscale.launch import (
     EXIT_PREEMPTED,
     GpuLocks,
     LaunchError,
+    LaunchRequest,
     pick_port,
     plan_devices,
     port_is_free,
@@ -180,3 +183,44 @@ def test_sigterm_is_forwarded_and_gives_the_requeue_code(tmp_path: Path) -> None
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=30) == EXIT_PREEMPTED
     assert (tmp_path / "got").read_text() == str(int(signal.SIGTERM))
+
+
+def _multinode_launch(monkeypatch: pytest.MonkeyPatch, cuda_devices: int, threads: int) -> tuple[list[str], dict]:
+    """``launch()`` of a 2-node run inside a (faked) Slurm job: the command and env it would start."""
+    started: list[tuple[list[str], dict]] = []
+    monkeypatch.setattr(launch_mod, "run_child", lambda cmd, env: started.append((list(cmd), env)) or 0)
+    monkeypatch.setattr(launch_mod, "cuda_device_count", lambda: cuda_devices)
+    monkeypatch.setattr(slurm, "node_address", lambda name: f"{name}.addr")
+    for key, value in {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_CPUS_ON_NODE": "4"}.items():
+        monkeypatch.setenv(key, value)
+    req = LaunchRequest(gpus=4, nodes=2, threads=threads, max_restarts=0, port=None, standalone=False,
+                        lock_timeout_s=1.0, train_argv=("train", "--run", "r"))
+    assert launch_mod.launch(req) == 0
+    assert len(started) == 1
+    return started[0]
+
+
+def test_multinode_cpu_ranks_get_their_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    cmd, _env = _multinode_launch(monkeypatch, cuda_devices=0, threads=3)
+    srun = cmd[: cmd.index("-m")]
+    assert srun[0] == "srun" and "--nodes=2" in srun and "--gpus-per-node=2" in srun
+    assert "--export=ALL,OMP_NUM_THREADS=3" in srun  # every node's ranks, not only this process
+    assert "--rdzv-endpoint=n1.addr:" in " ".join(cmd) and "--nproc-per-node=2" in cmd
+
+
+def test_multinode_gpu_ranks_leave_threads_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    cmd, _env = _multinode_launch(monkeypatch, cuda_devices=2, threads=3)
+    assert not any(a.startswith("--export") for a in cmd)
+
+
+def test_cli_multinode_outside_slurm_is_a_clear_error(tmp_path: Path) -> None:
+    """Without a Slurm allocation a multi-node run says how to get one (or to use one node)."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CONFIG.format(batch=2, scaling="weak").replace("  gpus: [2]\n", "  gpus: [2]\n  nodes: 2\n"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run([sys.executable, "-m", "detscale", "launch", "--gpus", "2", "--nodes", "2", "--", "train",
+                          "--config", str(cfg), "--run", "gelan-t_64_g2n2_b2_none_fp32_r0", "--out",
+                          str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert out.returncode == 2, out.stderr
+    assert "needs a Slurm allocation" in out.stderr and "grid.nodes: 1" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()

@@ -47,6 +47,27 @@ def test_multinode_command_argv() -> None:
     ]
 
 
+def test_multinode_command_exports_cpu_threads() -> None:
+    # CPU ranks: every node's ranks get OMP_NUM_THREADS=T through srun (torchrun would set 1 for
+    # several ranks per node); GPU ranks (threads=None) leave the variable alone.
+    env = _env(SLURM_JOB_NODELIST="c[1-2]", SLURM_CPUS_ON_NODE="8")
+    cpu = multinode_command(2, 2, ["train"], 0, 1234, env=env, python="py", resolve=str, threads=3)
+    srun = cpu[: cpu.index("py")]
+    assert "--export=ALL,OMP_NUM_THREADS=3" in srun
+    gpu = multinode_command(2, 2, ["train"], 0, 1234, env=env, python="py", resolve=str)
+    assert not any(a.startswith("--export") for a in gpu)
+    with pytest.raises(SlurmError, match="threads per rank"):
+        multinode_command(2, 2, ["train"], 0, 1234, env=env, threads=0)
+
+
+def test_describe_task_names_node_gpus_and_threads() -> None:
+    line = slurm.describe_task({"SLURMD_NODENAME": "dsnode2", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
+                                "CUDA_VISIBLE_DEVICES": "0", "SLURM_GPUS_ON_NODE": "1", "OMP_NUM_THREADS": "2"})
+    assert line == ("agent on node dsnode2 (node rank 1 of 2): CUDA_VISIBLE_DEVICES=0 SLURM_GPUS_ON_NODE=1 "
+                    "OMP_NUM_THREADS=2")
+    assert "CUDA_VISIBLE_DEVICES=<unset>" in slurm.describe_task({})
+
+
 def test_multinode_command_falls_back_to_scontrol(monkeypatch: pytest.MonkeyPatch) -> None:
     # Snakemake's job-step executor drops SLURM_JOB_NODELIST; the node list then comes from scontrol.
     calls = []
@@ -63,7 +84,7 @@ def test_multinode_command_falls_back_to_scontrol(monkeypatch: pytest.MonkeyPatc
 
 
 def test_multinode_command_needs_slurm_and_enough_nodes() -> None:
-    with pytest.raises(SlurmError, match="SLURM_JOB_ID is not set"):
+    with pytest.raises(SlurmError, match="SLURM_JOB_ID is not set.*grid.nodes: 1"):
         multinode_command(2, 1, ["train"], 0, 1234, env={})
     with pytest.raises(SlurmError, match="holds 1 node"):
         multinode_command(2, 1, ["train"], 0, 1234, env=_env(SLURM_JOB_NODELIST="n1"))

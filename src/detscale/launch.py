@@ -218,8 +218,12 @@ def torchrun_command(
 
 
 def multinode_command(nodes: int, gpus_per_node: int, train_argv: list[str], max_restarts: int,
-                      port: int) -> list[str]:
-    """The srun + torchrun command of a multi-node run, from :mod:`detscale.slurm`."""
+                      port: int, threads: int | None = None) -> list[str]:
+    """The srun + torchrun command of a multi-node run, from :mod:`detscale.slurm`.
+
+    ``threads``: torch threads per CPU rank, exported to every node's ranks as ``OMP_NUM_THREADS``
+    (``None`` for GPU ranks).
+    """
     try:
         from detscale.slurm import multinode_command as build
     except ImportError as exc:
@@ -228,7 +232,7 @@ def multinode_command(nodes: int, gpus_per_node: int, train_argv: list[str], max
             "run with --nodes 1, or install a detscale version with Slurm support"
         ) from None
     return build(nodes=nodes, gpus_per_node=gpus_per_node, train_argv=train_argv,
-                 max_restarts=max_restarts, port=port, entry=TORCHRUN_ENTRY)
+                 max_restarts=max_restarts, port=port, entry=TORCHRUN_ENTRY, threads=threads)
 
 
 @contextlib.contextmanager
@@ -278,8 +282,12 @@ def launch(req: LaunchRequest) -> int:
     """Claim devices and a port, run torchrun, hold the locks until it ends; returns its exit code."""
     env = dict(os.environ)
     if req.nodes > 1:
+        # The nodes of one allocation are alike: without CUDA on this (the first) node, every
+        # node runs CPU ranks, which get --threads each as on one node.
+        threads = req.threads if cuda_device_count() == 0 else None
         port = pick_port(req.port)
-        cmd = multinode_command(req.nodes, req.gpus // req.nodes, list(req.train_argv), req.max_restarts, port)
+        cmd = multinode_command(req.nodes, req.gpus // req.nodes, list(req.train_argv), req.max_restarts, port,
+                                threads)
         return run_child(cmd, env)
     locks = GpuLocks(os.environ.get("DETSCALE_GPU_LOCK_DIR", DEFAULT_LOCK_DIR))
     try:

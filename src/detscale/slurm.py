@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -147,7 +148,8 @@ def job_nodes(env: Mapping[str, str] | None = None) -> list[str]:
     if jid is None:
         raise SlurmError(
             "multi-node training needs a Slurm allocation (SLURM_JOB_ID is not set): submit it with "
-            "`sbatch --nodes M` or run the workflow with `--profile profiles/slurm`, or use --nodes 1"
+            "`sbatch --nodes M`, run the workflow with `--profile profiles/slurm` (or inside `salloc --nodes M`), "
+            "or train on one node (--nodes 1; in the workflow config: grid.nodes: 1)"
         )
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or _scontrol_job(jid)["NodeList"]
     return expand_hostlist(nodelist)
@@ -207,7 +209,8 @@ def multinode_command(
     env: Mapping[str, str] | None = None,
     python: str | None = None,
     entry: Sequence[str] = ("-m", "--", "detscale"),
-    resolve: Callable[[str], str] = node_address,
+    resolve: Callable[[str], str] | None = None,
+    threads: int | None = None,
 ) -> list[str]:
     """The argv that runs ``detscale <train_argv>`` on ``nodes`` x ``gpus_per_node`` ranks.
 
@@ -217,8 +220,11 @@ def multinode_command(
     ``train_argv`` starts with the subcommand, e.g. ``["train", "--config", ...]``; ``entry``
     is what torchrun runs it with: ``-m -- detscale``, where ``--`` keeps torchrun's argparse
     from reading ``--run RUN_ID`` as an ambiguous abbreviation of its ``--run-path``. ``env`` (default
-    ``os.environ``) and ``resolve`` (node name -> address, default :func:`node_address`) are
-    there for tests.
+    ``os.environ``) and ``resolve`` (node name -> address, default :func:`node_address`, looked up
+    at call time) are there for tests. ``threads`` (CPU ranks: torch threads per rank) is exported to every task
+    as ``OMP_NUM_THREADS`` (``srun --export=ALL,OMP_NUM_THREADS=T``): torchrun would otherwise
+    set 1 for several ranks per node, and the trainer reads it; ``None`` leaves it alone (GPU
+    ranks).
 
     Each task asks for the node's GPUs and CPUs explicitly (``--gpus-per-node``,
     ``--cpus-per-task``): with a task/affinity or cgroup plugin a step task otherwise gets one
@@ -238,6 +244,8 @@ def multinode_command(
         raise SlurmError(f"max_restarts must be >= 0, got {max_restarts}")
     if not 1 <= port <= 65535:
         raise SlurmError(f"rendezvous port must be in 1..65535, got {port}")
+    if threads is not None and threads < 1:
+        raise SlurmError(f"threads per rank must be >= 1, got {threads}")
     if not train_argv:
         raise SlurmError("multi-node launch needs the detscale command to run on every rank (e.g. `train ...`)")
     env = os.environ if env is None else env
@@ -247,7 +255,7 @@ def multinode_command(
             f"--nodes {nodes} asked for, but Slurm job {job_id(env)} holds {len(hosts)} node(s) "
             f"({', '.join(hosts)}); submit it with `--nodes {nodes}` (the rule's `nodes` resource)"
         )
-    head = resolve(hosts[0])
+    head = (resolve or node_address)(hosts[0])
     cpus = cpus_per_node(env)
     log.info("multi-node: %d node(s) x %d rank(s), rendezvous on %s:%d", nodes, gpus_per_node, head, port)
     return [
@@ -259,6 +267,7 @@ def multinode_command(
         *([f"--cpus-per-task={cpus}"] if cpus else []),
         "--overlap",
         "--kill-on-bad-exit=0",
+        *([f"--export=ALL,OMP_NUM_THREADS={threads}"] if threads is not None else []),
         python or sys.executable,
         "-m",
         "detscale.slurm",
@@ -284,6 +293,16 @@ def multinode_command(
 EXIT_PREEMPTED = 75
 
 
+def describe_task(env: Mapping[str, str] | None = None) -> str:
+    """One line on what this srun task got: its node, node rank, GPUs and threads (for the run's log)."""
+    env = os.environ if env is None else env
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    return (f"agent on node {node} (node rank {env.get('SLURM_NODEID', '?')} of {env.get('SLURM_NNODES', '?')}): "
+            f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '<unset>')} "
+            f"SLURM_GPUS_ON_NODE={env.get('SLURM_GPUS_ON_NODE', '<unset>')} "
+            f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', '<unset>')}")
+
+
 def run_agent(argv: Sequence[str]) -> int:
     """Run one node's ``torchrun`` agent (``argv``) and return its status, 75 after a SIGTERM.
 
@@ -293,6 +312,7 @@ def run_agent(argv: Sequence[str]) -> int:
     agent already got them; a second one while it shuts its workers down would make it abandon
     them), waits for the agent, and reports the requeue status.
     """
+    log.info("%s", describe_task())
     received: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum))
                 for s in (signal.SIGTERM, signal.SIGINT)}
@@ -310,6 +330,8 @@ def run_agent(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
+    # One line per node in the job's log (which node, which GPUs, how many threads).
+    logging.basicConfig(level=logging.INFO, format="detscale.slurm: %(message)s")
     if len(sys.argv) < 2:
         sys.stderr.write("usage: python -m detscale.slurm TORCHRUN_COMMAND...\n")
         sys.exit(2)

@@ -1,6 +1,54 @@
 # Training: one job per grid point. The run's config file is narrowed to its point and rewritten
 # only when something that affects the run changes (its digest is the rule's parameter), so a
 # grid change re-trains only the runs it touches.
+#
+# Two rules train, and every run id belongs to exactly one of them (wildcard constraints):
+#   train            grid points on one node (grid.nodes == 1)
+#   train_multinode  grid points on several nodes (grid.nodes > 1): the job holds all M nodes and
+#                    `detscale launch --nodes M` starts one torchrun agent per node with srun.
+
+
+def _runs_pattern(multinode):
+    """Regex of the run ids trained by one rule: the multi-node points, or the single-node ones."""
+    ids = [p.run_id for p in CFG.runs() if (p.nodes > 1) == multinode]
+    # "(?!)" matches nothing: a grid without points of this kind gives the rule no jobs.
+    return "|".join(re.escape(r) for r in ids) or "(?!)"
+
+
+def run_nodes(wildcards):
+    return point(wildcards).nodes
+
+
+def run_threads_per_node(wildcards):
+    """CPU threads of one node of a multi-node run (its ranks on that node x threads per rank)."""
+    return point(wildcards).gpus_per_node * CFG.train.cpu_threads_per_rank
+
+
+def run_multinode_slurm_extra(wildcards):
+    """sbatch options of a multi-node run that depend on the point, so they live in the rule.
+
+    `--gpus-per-node`: Slurm may otherwise spread `--gpus=N` unevenly over the nodes (3 + 1),
+    while every node runs gpus/nodes ranks. `--signal=TERM@300`: as the profile sets for `train`
+    (SIGTERM 300 s before the time limit: checkpoint and exit 75). A profile `slurm_extra` for
+    train_multinode would replace this whole string, so the profile sets none.
+    """
+    return f"--gpus-per-node={point(wildcards).gpus_per_node} --signal=TERM@300"
+
+
+# The outputs and command shared by both training rules.
+TRAIN_OUTPUT = dict(
+    timing=f"{RUN_DIR}/timing.json",
+    env=f"{RUN_DIR}/env.json",
+    config=f"{RUN_DIR}/config.yaml",
+    metrics=f"{RUN_DIR}/metrics.jsonl",
+    weights=f"{RUN_DIR}/weights/last.pt",
+)
+TRAIN_SHELL = (
+    "detscale launch --gpus {params.gpus} {params.nodes} --threads {params.threads}"
+    " --max-restarts {params.max_restarts} --"
+    " train --config {input.config} --run {wildcards.run} --out {params.out} --resume"
+    " --data {input.data} {params.cache} > {log} 2>&1"
+)
 
 
 rule run_config:
@@ -21,11 +69,9 @@ rule train:
         data=CLEAN_DATA_YAML,
         cache=run_cache,
     output:
-        timing=f"{RUN_DIR}/timing.json",
-        env=f"{RUN_DIR}/env.json",
-        config=f"{RUN_DIR}/config.yaml",
-        metrics=f"{RUN_DIR}/metrics.jsonl",
-        weights=f"{RUN_DIR}/weights/last.pt",
+        **TRAIN_OUTPUT,
+    wildcard_constraints:
+        run=_runs_pattern(multinode=False),
     params:
         out=lambda wildcards, output: os.path.dirname(output.timing),
         gpus=run_gpus,
@@ -44,7 +90,56 @@ rule train:
         gpu=run_gpus,
         timed_run=TIMED_RUN,
     shell:
-        "detscale launch --gpus {params.gpus} {params.nodes} --threads {params.threads}"
-        " --max-restarts {params.max_restarts} --"
-        " train --config {input.config} --run {wildcards.run} --out {params.out} --resume"
-        " --data {input.data} {params.cache} > {log} 2>&1"
+        TRAIN_SHELL
+
+
+# A multi-node run is one Slurm job over M nodes (snakemake-executor-plugin-slurm 2.x):
+#   nodes=M          -> sbatch --nodes=M
+#   mpi="srun"       the job-step executor then runs the rule's command as is in the batch
+#                    script, instead of inside `srun -n1` (one task on one node, which could not
+#                    start an agent on every node); the command itself calls srun (detscale.slurm).
+#                    The plugin only tests that the key exists; the value names the launcher.
+#   tasks=M          -> sbatch --ntasks=M: one task (one torchrun agent) per node. The plugin
+#                    requires tasks (> 1) or tasks_per_node (> 1) for an `mpi` job.
+#   tasks_per_gpu=0  the plugin turns `tasks` of a GPU job into `--ntasks-per-gpu=M` unless
+#                    tasks_per_gpu is set; 0 leaves that option out (M tasks per GPU is wrong).
+#   gpu=N            -> sbatch --gpus=N (all nodes together), and the number of GPU slots the
+#                    job takes of a local `--resources gpu=K`.
+#   slurm_extra      --gpus-per-node=N/M --signal=TERM@300 (see run_multinode_slurm_extra).
+# CPUs: the profile's cpus_per_gpu -> --cpus-per-gpu; without it, `threads` (one node's share)
+# -> --cpus-per-task. Without Slurm (plain `snakemake --cores K`), `detscale launch --nodes M`
+# fails with a message saying that it needs a Slurm allocation, unless snakemake itself runs
+# inside one (`salloc --nodes M`), where it starts the agents on the allocated nodes.
+rule train_multinode:
+    input:
+        config=f"{RUN_DIR}/run.yaml",
+        data=CLEAN_DATA_YAML,
+        cache=run_cache,
+    output:
+        **TRAIN_OUTPUT,
+    wildcard_constraints:
+        run=_runs_pattern(multinode=True),
+    params:
+        out=lambda wildcards, output: os.path.dirname(output.timing),
+        gpus=run_gpus,
+        nodes=run_nodes_arg,
+        cache=run_cache_arg,
+        threads=CFG.train.cpu_threads_per_rank,
+        max_restarts=CFG.train.max_restarts,
+    conda:
+        CONDA_ENV
+    log:
+        "results/logs/runs/{run}/train.log",
+    benchmark:
+        "results/benchmarks/runs/{run}/train.tsv"
+    threads: run_threads_per_node
+    resources:
+        gpu=run_gpus,
+        nodes=run_nodes,
+        tasks=run_nodes,
+        tasks_per_gpu=0,
+        mpi="srun",
+        slurm_extra=run_multinode_slurm_extra,
+        timed_run=TIMED_RUN,
+    shell:
+        TRAIN_SHELL
