@@ -271,6 +271,7 @@ def _test_profile(path: Path) -> Path:
     del defaults["slurm_account"]  # no accounts without an accounting database
     defaults["mem_mb"] = 1000  # the test node has little memory; the profile's sizes are for real nodes
     profile["set-resources"]["train"].update(cpus_per_gpu=1, mem_mb=2000)
+    profile["set-resources"]["train_multinode"].update(cpus_per_gpu=1, mem_mb=2000)
     profile["set-resources"]["evaluate"]["mem_mb"] = 2000
     profile["slurm-status-command"] = "squeue"  # no accounting database: sacct cannot answer
     # The plugin polls after this many seconds, then 10 s later each time nothing finished: 8 s
@@ -291,28 +292,33 @@ def _jobs(ids: list[str]) -> list[dict[str, str]]:
     return jobs
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_pipeline_through_slurm_profile(cluster: None, tmp_path: Path) -> None:
-    """The tiny grid (1 and 2 GPUs) end to end with ``--profile profiles/slurm`` on the test cluster."""
+def _snakemake_on_cluster(tmp_path: Path, config: dict, *args: str) -> Path:
+    """Run the workflow with ``config`` through the test copy of profiles/slurm; its work folder."""
     import yaml
 
     work = tmp_path / "work"
     work.mkdir()
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(TINY, sort_keys=False))
+    config_file = tmp_path / "tiny.yaml"
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(work),
-           "--configfile", str(config), "--profile", str(_test_profile(tmp_path / "profile")),
+           "--configfile", str(config_file), "--profile", str(_test_profile(tmp_path / "profile")),
            # rule synth_dataset has `threads: workflow.cores`, which needs --cores even on a cluster;
            # 4 is also all the test node has, so Snakemake never queues more than Slurm can run.
-           "--cores", "4",
-           # Both trainings (and both evaluations) at once: the test is about placement, not timing.
-           "--resources", "timed_run=2"]
+           "--cores", "4", *args]
     proc = _run(cmd, 600, env=env)
     log = proc.stdout[-4000:] + proc.stderr[-8000:]
     assert proc.returncode == 0, log
+    return work
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_pipeline_through_slurm_profile(cluster: None, tmp_path: Path) -> None:
+    """The tiny grid (1 and 2 GPUs) end to end with ``--profile profiles/slurm`` on the test cluster."""
+    # Both trainings (and both evaluations) at once: the test is about placement, not timing.
+    work = _snakemake_on_cluster(tmp_path, TINY, "--resources", "timed_run=2")
 
     # Every non-local job went through sbatch: the plugin's Slurm logs, one per job, and its job ids.
     log_dir = work / ".snakemake" / "slurm_logs"
@@ -344,5 +350,45 @@ def test_pipeline_through_slurm_profile(cluster: None, tmp_path: Path) -> None:
     evals = [j for j in _jobs(ids) if "rule_evaluate" in j.get("Comment", "")]
     assert len(evals) == 2 and all("gpu" not in j.get("TresPerJob", "") for j in evals), evals
 
+    report = work / "results" / "report"
+    assert (report / "index.html").is_file() and (report / "scaling.csv").is_file()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_multinode_point_through_slurm_profile(cluster: None, tmp_path: Path) -> None:
+    """A 2-GPU point on 2 nodes through the profile: one sbatch job over both nodes, an agent on each."""
+    tiny = {**TINY, "grid": {**TINY["grid"], "gpus": [2], "nodes": 2},
+            "train": {**TINY["train"], "cpu_threads_per_rank": 1}}
+    work = _snakemake_on_cluster(tmp_path, tiny)
+
+    (run,) = sorted((work / "results" / "runs").iterdir())
+    assert run.name.startswith("gelan-t_64_g2n2_"), run.name
+    # The training went through sbatch as rule train_multinode: one job holding both nodes, one
+    # task and one GPU on each (sbatch --nodes=2 --ntasks=2 --gpus=2 --gpus-per-node=1).
+    log_dir = work / ".snakemake" / "slurm_logs"
+    train_logs = sorted((log_dir / "rule_train_multinode").rglob("*.log"))
+    assert len(train_logs) == 1, sorted(log_dir.rglob("*.log"))
+    env_json = json.loads((run / "env.json").read_text())
+    jid = env_json["slurm_job_id"]
+    assert train_logs[0].stem == jid
+    job = _jobs([jid])[0]
+    assert (job["NumNodes"], job["NumTasks"], job["NodeList"]) == ("2", "2", "dsnode[1-2]"), job
+    assert job.get("TresPerNode") == "gres:gpu:1" and job.get("TresPerJob") == "gres:gpu:2", job
+    assert not (log_dir / "rule_train").exists()  # the single-node rule got no job
+    # The job's srun step (step 0, started by `detscale launch --nodes 2` in the batch script)
+    # ran a task on each node, and each task's torchrun agent saw that node's GPU and threads.
+    for node in ("dsnode1", "dsnode2"):
+        assert f"StepId={jid}.0" in (STATE / f"slurmd-{node}.log").read_text(), f"no step {jid}.0 on {node}"
+    train_log = (work / "results" / "logs" / "runs" / run.name / "train.log").read_text()
+    for rank, node in enumerate(("dsnode1", "dsnode2")):
+        line = (f"agent on node {node} (node rank {rank} of 2): CUDA_VISIBLE_DEVICES=0 SLURM_GPUS_ON_NODE=1 "
+                "OMP_NUM_THREADS=1")
+        assert line in train_log, train_log[-3000:]
+    # Two agents of one rank each (--nproc-per-node=1) made one world of 2 ranks.
+    assert "--nnodes=2" in train_log and "--nproc-per-node=1" in train_log, train_log[-3000:]
+    timing = json.loads((run / "timing.json").read_text())
+    assert timing["world_size"] == 2 and env_json["world_size"] == 2
+    assert env_json["threads_per_rank"] == 1 and env_json["cuda_visible_devices"] == "0"
     report = work / "results" / "report"
     assert (report / "index.html").is_file() and (report / "scaling.csv").is_file()
