@@ -29,6 +29,8 @@ from detscale.launch import (
     pick_port,
     plan_devices,
     port_is_free,
+    restore_resume_files,
+    stash_resume_files,
     torchrun_command,
 )
 
@@ -224,3 +226,134 @@ def test_cli_multinode_outside_slurm_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 2, out.stderr
     assert "needs a Slurm allocation" in out.stderr and "grid.nodes: 1" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
+
+
+def _run_folder(out: Path, checkpoint: bytes = b"ckpt-epoch-3") -> None:
+    (out / "weights").mkdir(parents=True, exist_ok=True)
+    (out / "weights" / "last.pt").write_bytes(checkpoint)
+    (out / "metrics.jsonl").write_text('{"epoch": 0}\n')
+    (out / "timing.json").write_text("{}")
+
+
+def _delete_outputs(out: Path) -> None:
+    """What Snakemake does to a job's outputs before running it again."""
+    for name in ("weights/last.pt", "metrics.jsonl", "timing.json"):
+        (out / name).unlink(missing_ok=True)
+
+
+def test_resume_stash_survives_the_workflow_deleting_outputs(tmp_path: Path) -> None:
+    out, stash = tmp_path / "run", tmp_path / "run" / "resume-stash"
+    _run_folder(out)
+    assert stash_resume_files(out, stash, "d1")
+    _delete_outputs(out)
+    assert restore_resume_files(out, stash, "d1")
+    assert (out / "weights" / "last.pt").read_bytes() == b"ckpt-epoch-3"
+    assert (out / "metrics.jsonl").read_text() == '{"epoch": 0}\n'
+    assert not (out / "timing.json").exists()  # only what resuming reads comes back
+    assert not stash.exists()
+
+
+def test_resume_stash_of_another_config_is_dropped(tmp_path: Path) -> None:
+    out, stash = tmp_path / "run", tmp_path / "stash"
+    _run_folder(out)
+    stash_resume_files(out, stash, "old-digest")
+    _delete_outputs(out)
+    assert not restore_resume_files(out, stash, "new-digest")
+    assert not (out / "weights" / "last.pt").exists() and not stash.exists()
+    # Without a checkpoint there is nothing to keep.
+    assert not stash_resume_files(out, stash, "new-digest") and not stash.exists()
+
+
+def test_resume_stash_keeps_newer_files_of_the_run_folder(tmp_path: Path) -> None:
+    out, stash = tmp_path / "run", tmp_path / "stash"
+    _run_folder(out, b"old")
+    stash_resume_files(out, stash, "d")
+    (out / "weights" / "last.pt").unlink()
+    (out / "weights" / "last.pt").write_bytes(b"newer")  # e.g. the run was resumed by hand meanwhile
+    assert not restore_resume_files(out, stash, "d")
+    assert (out / "weights" / "last.pt").read_bytes() == b"newer"
+
+
+@pytest.mark.parametrize(("code", "kept"), [(EXIT_PREEMPTED, True), (1, True), (0, False)])
+def test_launch_stashes_after_a_failed_run_and_restores_before_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, kept: bool) -> None:
+    out, stash = tmp_path / "run", tmp_path / "run" / "resume-stash"
+    seen: list[bytes | None] = []
+
+    def ranks(_req: LaunchRequest) -> int:
+        last = out / "weights" / "last.pt"
+        seen.append(last.read_bytes() if last.exists() else None)
+        if not last.exists():  # the run writes its checkpoint
+            _run_folder(out, b"ckpt-%d" % len(seen))
+        return code
+
+    monkeypatch.setattr(launch_mod, "run_ranks", ranks)
+    req = LaunchRequest(gpus=1, nodes=1, threads=1, max_restarts=0, port=None, standalone=True, lock_timeout_s=1.0,
+                        train_argv=("train",), stash=(out, stash, "digest"))
+    assert launch_mod.launch(req) == code
+    assert stash.is_dir() == kept
+    _delete_outputs(out)
+    launch_mod.launch(req)
+    # The second start found the first run's checkpoint only when the first one failed.
+    assert seen == [None, b"ckpt-1" if kept else None]
+
+
+RESUME_CONFIG = {
+    "dataset": {"name": "tiny", "synthetic": {"seed": 0, "imgsz": 64, "train": 16, "val": 4, "objects": [1, 2],
+                                              "object_size": [0.2, 0.5]}},
+    "grid": {"model": ["gelan-t"], "imgsz": [64], "gpus": [1], "batch": [2], "cache": ["disk"],
+             "precision": ["fp32"], "repeats": 1, "epochs": 6, "seed": 0},
+    "train": {"warmup_epochs": 0, "close_mosaic": 0, "workers": 0, "timing_warmup_steps": 1,
+              "cpu_threads_per_rank": 1},
+    "augment": {"mosaic": 0.0},
+    "eval": {"batch": 4},
+}
+
+
+@pytest.mark.slow
+def test_workflow_rerun_resumes_a_stopped_training(tmp_path: Path) -> None:
+    """SIGTERM a training job of the workflow, then rerun it: it resumes instead of starting over.
+
+    Snakemake deletes the job's outputs, weights/last.pt included, before running it again; the
+    rule's ``--resume-stash`` is what carries the checkpoint across.
+    """
+    import psutil
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(RESUME_CONFIG))
+    work = tmp_path / "work"
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(root / "Snakefile"), "--directory", str(work),
+           "--configfile", str(config), "--cores", "2"]
+    run = work / "results" / "runs" / "gelan-t_64_g1_b2_disk_fp32_r0"
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
+            assert first.poll() is None and time.monotonic() < deadline, "no epoch finished"
+            time.sleep(0.2)
+        # This workflow's launcher, as Slurm would signal it before a time limit.
+        (launcher,) = [p for p in psutil.Process(first.pid).children(recursive=True)
+                       if "--resume-stash" in p.cmdline() and "launch" in p.cmdline()]
+        launcher.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=300) != 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+    stopped = _torch_load(run / "resume-stash" / "weights__last.pt")["epoch"]
+    assert 1 <= stopped < 6
+    second = subprocess.run([*cmd, "--rerun-incomplete"], env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-4000:]
+    log = (work / "results" / "logs" / "runs" / run.name / "train.log").read_text()
+    assert f"resuming from {run.relative_to(work) / 'weights' / 'last.pt'}: epoch {stopped}," in log, log[-3000:]
+    assert _torch_load(run / "weights" / "last.pt")["epoch"] == 6
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 6  # the first attempt's rows kept
+    assert not (run / "resume-stash").exists()
+
+
+def _torch_load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)

@@ -21,6 +21,13 @@
 
 Multi-node runs (``--nodes M`` inside a Slurm allocation) delegate the command line to
 ``detscale.slurm.multinode_command``.
+
+Resuming under a workflow (``--resume-stash DIR``): Snakemake deletes a job's outputs before it
+runs the job again, and ``weights/last.pt`` is one of them, so a rerun after a preemption would
+start from scratch. When the run ends with a non-zero status, the files a resume needs
+(:data:`RESUME_FILES`) are hard-linked into ``DIR`` with the run's config digest; the next start
+moves them back when the run folder lacks them and the digest still matches (a stash of another
+config is deleted, never resumed from); a run that succeeds deletes the stash.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -266,6 +274,64 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
     return code
 
 
+# ---------------------------------------------------------------------------------------------
+# Resume stash
+# ---------------------------------------------------------------------------------------------
+
+#: What a resumed run reads from its folder: the checkpoint, and the epoch rows it keeps.
+RESUME_FILES = ("weights/last.pt", "metrics.jsonl")
+#: Written last into a stash: its presence marks the stash complete, its content names the config.
+STASH_DIGEST = "config_digest"
+
+
+def stash_resume_files(out: Path, stash: Path, digest: str) -> bool:
+    """Hard-link the resume files of run folder ``out`` into ``stash``; False when there is no checkpoint.
+
+    Links, not copies: instant (a preempted job has seconds left), and the data survives the
+    workflow deleting the originals. A file system that refuses links gets a copy.
+    """
+    if not (out / RESUME_FILES[0]).is_file():
+        return False
+    shutil.rmtree(stash, ignore_errors=True)
+    stash.mkdir(parents=True)
+    for name in RESUME_FILES:
+        src, dst = out / name, stash / name.replace("/", "__")
+        if src.is_file():
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+    (stash / STASH_DIGEST).write_text(digest + "\n")
+    log.info("resume files of %s kept in %s (config digest %s)", out, stash, digest)
+    return True
+
+
+def restore_resume_files(out: Path, stash: Path, digest: str) -> bool:
+    """Move stashed resume files back into ``out`` where it lacks them; True when a checkpoint came back.
+
+    A stash written for another config digest, or left incomplete, is deleted: resuming from it
+    would fail the trainer's checkpoint check. Files ``out`` still has win (they are as new).
+    """
+    marker = stash / STASH_DIGEST
+    if not stash.is_dir():
+        return False
+    if not marker.is_file() or marker.read_text().strip() != digest:
+        log.info("deleting the stale resume stash %s (another config, or incomplete)", stash)
+        shutil.rmtree(stash, ignore_errors=True)
+        return False
+    restored = False
+    for name in RESUME_FILES:
+        src, dst = stash / name.replace("/", "__"), out / name
+        if src.is_file() and not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+            restored = restored or name == RESUME_FILES[0]
+    shutil.rmtree(stash, ignore_errors=True)
+    if restored:
+        log.info("restored %s from the resume stash %s", out / RESUME_FILES[0], stash)
+    return restored
+
+
 @dataclass(frozen=True)
 class LaunchRequest:
     gpus: int
@@ -276,9 +342,25 @@ class LaunchRequest:
     standalone: bool
     lock_timeout_s: float
     train_argv: tuple[str, ...]
+    #: ``(run folder, stash folder, config digest)`` for ``--resume-stash``; None without it.
+    stash: tuple[Path, Path, str] | None = None
 
 
 def launch(req: LaunchRequest) -> int:
+    """Start the run (see :func:`run_ranks`), with the resume stash around it when asked for."""
+    if req.stash is None:
+        return run_ranks(req)
+    out, stash, digest = req.stash
+    restore_resume_files(out, stash, digest)
+    code = run_ranks(req)
+    if code == 0:
+        shutil.rmtree(stash, ignore_errors=True)
+    else:
+        stash_resume_files(out, stash, digest)
+    return code
+
+
+def run_ranks(req: LaunchRequest) -> int:
     """Claim devices and a port, run torchrun, hold the locks until it ends; returns its exit code."""
     env = dict(os.environ)
     if req.nodes > 1:

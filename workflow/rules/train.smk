@@ -43,9 +43,13 @@ TRAIN_OUTPUT = dict(
     metrics=f"{RUN_DIR}/metrics.jsonl",
     weights=f"{RUN_DIR}/weights/last.pt",
 )
+# --resume-stash: Snakemake deletes a job's outputs (weights/last.pt among them) before running it
+# again, so after a preemption (exit 75) or a failure `detscale launch` keeps the checkpoint in
+# RUN_DIR/resume-stash and puts it back on the next start, when the config is still the same;
+# `train --resume` then continues the run.
 TRAIN_SHELL = (
     "detscale launch --gpus {params.gpus} {params.nodes} --threads {params.threads}"
-    " --max-restarts {params.max_restarts} --"
+    " --max-restarts {params.max_restarts} --resume-stash {params.out}/resume-stash --"
     " train --config {input.config} --run {wildcards.run} --out {params.out} --resume"
     " --data {input.data} {params.cache} > {log} 2>&1"
 )

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--standalone", action="store_true", help="let torchrun pick the rendezvous itself")
     parser.add_argument("--lock-timeout", type=float, default=24 * 3600.0,
                         help="seconds to wait for free GPU slots (default: a day)")
+    parser.add_argument("--resume-stash", default=None, metavar="DIR",
+                        help="keep the checkpoint of a failed or preempted run in DIR and put it back on the "
+                             "next start (for workflows that delete a job's outputs before rerunning it)")
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="-- train ARGS")
 
 
@@ -37,8 +40,10 @@ def _train_argv(rest: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from detscale.commands import train as train_cmd
-    from detscale.engine.semantics import check_run_request
+    from detscale.engine.semantics import check_run_request, config_digest
     from detscale.launch import LaunchError, LaunchRequest, launch
 
     if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
@@ -51,10 +56,12 @@ def run(args: argparse.Namespace) -> int:
         train_args = train_parser.parse_args(argv[1:])
     except (argparse.ArgumentError, SystemExit) as exc:
         raise UserError(f"invalid train arguments {' '.join(argv[1:])!r}: {exc}") from None
-    cfg, _point = check_run_request(train_args.config, train_args.run, world_size=args.gpus)
+    cfg, point = check_run_request(train_args.config, train_args.run, world_size=args.gpus)
     threads = args.threads if args.threads is not None else cfg.train.cpu_threads_per_rank
     restarts = args.max_restarts if args.max_restarts is not None else cfg.train.max_restarts
     if threads < 1 or restarts < 0:
         raise LaunchError("--threads must be >= 1 and --max-restarts >= 0")
+    # The digest the trainer checks a checkpoint against: a stash of another config is never restored.
+    stash = (Path(train_args.out), Path(args.resume_stash), config_digest(cfg, point)) if args.resume_stash else None
     return launch(LaunchRequest(args.gpus, args.nodes, threads, restarts, args.port, args.standalone,
-                                args.lock_timeout, tuple(argv)))
+                                args.lock_timeout, tuple(argv), stash))
