@@ -292,8 +292,8 @@ def _jobs(ids: list[str]) -> list[dict[str, str]]:
     return jobs
 
 
-def _snakemake_on_cluster(tmp_path: Path, config: dict, *args: str) -> Path:
-    """Run the workflow with ``config`` through the test copy of profiles/slurm; its work folder."""
+def _snakemake_command(tmp_path: Path, config: dict, *args: str) -> tuple[list[str], dict[str, str], Path]:
+    """The workflow with ``config`` through the test copy of profiles/slurm: (command, env, work folder)."""
     import yaml
 
     work = tmp_path / "work"
@@ -307,6 +307,12 @@ def _snakemake_on_cluster(tmp_path: Path, config: dict, *args: str) -> Path:
            # rule synth_dataset has `threads: workflow.cores`, which needs --cores even on a cluster;
            # 4 is also all the test node has, so Snakemake never queues more than Slurm can run.
            "--cores", "4", *args]
+    return cmd, env, work
+
+
+def _snakemake_on_cluster(tmp_path: Path, config: dict, *args: str) -> Path:
+    """Run the workflow with ``config`` through the test copy of profiles/slurm; its work folder."""
+    cmd, env, work = _snakemake_command(tmp_path, config, *args)
     proc = _run(cmd, 600, env=env)
     log = proc.stdout[-4000:] + proc.stderr[-8000:]
     assert proc.returncode == 0, log
@@ -392,3 +398,47 @@ def test_multinode_point_through_slurm_profile(cluster: None, tmp_path: Path) ->
     assert env_json["threads_per_rank"] == 1 and env_json["cuda_visible_devices"] == "0"
     report = work / "results" / "report"
     assert (report / "index.html").is_file() and (report / "scaling.csv").is_file()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_requeued_training_resumes(cluster: None, tmp_path: Path) -> None:
+    """The profile submits with ``--requeue``: a training job Slurm requeues (as on preemption) resumes.
+
+    ``scontrol requeue`` SIGTERMs the running job and queues it again under the same id; the
+    launcher keeps the checkpoint in the resume stash, the second start of the batch script
+    (whose Snakemake deletes the job's outputs first) puts it back, and ``train --resume`` continues.
+    Snakemake, waiting on the job id, sees one job that finished.
+    """
+    tiny = {**TINY, "grid": {**TINY["grid"], "gpus": [1], "epochs": 6},
+            "dataset": {**TINY["dataset"], "synthetic": {**TINY["dataset"]["synthetic"], "train": 16}},
+            "train": {**TINY["train"], "cpu_threads_per_rank": 1}}
+    cmd, env, work = _snakemake_command(tmp_path, tiny)
+    run = work / "results" / "runs" / "gelan-t_64_g1_b2_disk_fp32_r0"
+    metrics = run / "metrics.jsonl"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no epoch finished"
+            time.sleep(0.2)
+        jid = json.loads((run / "env.json").read_text())["slurm_job_id"]
+        assert _run(["scontrol", "requeue", jid], 30).returncode == 0
+        # Slurm holds a requeued job back for about two minutes once it is pending again; let it
+        # start at once (an update while it is still completing does not stick).
+        deadline = time.monotonic() + 120
+        while _jobs([jid])[0].get("JobState") != "PENDING":
+            assert time.monotonic() < deadline, f"requeued job {jid} did not become pending"
+            time.sleep(0.5)
+        assert _run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], 30).returncode == 0
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-6000:]
+    job = _jobs([jid])[0]
+    assert job["Requeue"] == "1" and job["Restarts"] == "1", job
+    log = (work / "results" / "logs" / "runs" / run.name / "train.log").read_text()
+    assert "from the resume stash" in log and "resuming from" in log, log[-3000:]
+    assert len(metrics.read_text().splitlines()) == 6
+    assert (work / "results" / "report" / "index.html").is_file()

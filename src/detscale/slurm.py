@@ -4,7 +4,8 @@
 the ranks itself: :func:`multinode_command` builds one ``srun`` step with one task per node, and
 each task is a ``torchrun`` agent that starts this node's ranks. The agents meet through c10d
 rendezvous on the first node of the allocation (the agent whose host matches the endpoint hosts
-the store), keyed by the Slurm job id, so a requeued job gets a fresh rendezvous.
+the store), keyed by the Slurm job id. A requeued job keeps its id but starts new agents, so
+its rendezvous store is a new one too.
 
 The Snakemake Slurm job-step executor removes most ``SLURM_*`` variables before running a rule's
 command, so the node list is looked up from ``scontrol`` when the environment lacks it. The

@@ -1,6 +1,6 @@
 """Claim GPU slots (or CPU ranks), pick a rendezvous port and run ``torchrun`` for ``detscale train``.
 
-Usage: ``detscale launch --gpus N [--nodes M] [--threads T] [--max-restarts R] -- train ARGS``.
+Usage: ``detscale launch --gpus N [--nodes M] [--threads T] [--max-restarts R] [--resume-stash DIR] -- train ARGS``.
 The train arguments are checked first (config, run id, GPU count, batch divisibility), so a
 mistake is reported before any rank starts. Exit code: torchrun's, or 75 after a SIGTERM
 (the run saved ``weights/last.pt``; rerun the same command to resume).
