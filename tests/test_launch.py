@@ -310,6 +310,18 @@ RESUME_CONFIG = {
 }
 
 
+def test_launch_does_not_stash_a_checkpoint_older_than_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, stash = tmp_path / "run", tmp_path / "stash"
+    _run_folder(out, b"from another config")
+    old = time.time() - 3600
+    os.utime(out / "weights" / "last.pt", (old, old))
+    monkeypatch.setattr(launch_mod, "run_ranks", lambda _req: 2)  # e.g. the trainer refused it
+    req = LaunchRequest(gpus=1, nodes=1, threads=1, max_restarts=0, port=None, standalone=True, lock_timeout_s=1.0,
+                        train_argv=("train",), stash=(out, stash, "digest"))
+    assert launch_mod.launch(req) == 2
+    assert not stash.exists()
+
+
 @pytest.mark.slow
 def test_workflow_rerun_resumes_a_stopped_training(tmp_path: Path) -> None:
     """SIGTERM a training job of the workflow, then rerun it: it resumes instead of starting over.

@@ -351,11 +351,16 @@ def launch(req: LaunchRequest) -> int:
     if req.stash is None:
         return run_ranks(req)
     out, stash, digest = req.stash
-    restore_resume_files(out, stash, digest)
+    restored = restore_resume_files(out, stash, digest)
+    started = time.time()
     code = run_ranks(req)
+    last = out / RESUME_FILES[0]
     if code == 0:
         shutil.rmtree(stash, ignore_errors=True)
-    else:
+    elif restored or (last.is_file() and last.stat().st_mtime >= started - 1.0):
+        # Only a checkpoint known to be of this config: restored from a stash of this digest, or
+        # written by this attempt. A stale one (another config, left in the folder) would be
+        # labelled with the wrong digest and fail every later start.
         stash_resume_files(out, stash, digest)
     return code
 
