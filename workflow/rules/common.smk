@@ -90,3 +90,32 @@ def run_config_digest(stage):
 def run_files(name):
     """`name` (e.g. "timing.json") of every run of the grid."""
     return expand(f"{RUN_DIR}/{name}", run=RUNS)
+
+
+# Training rules (train.smk): which rule trains a run, and what a multi-node run asks of Slurm.
+
+def train_runs_pattern(multinode):
+    """Regex of the run ids trained by one rule: the multi-node points, or the single-node ones."""
+    ids = [p.run_id for p in CFG.runs() if (p.nodes > 1) == multinode]
+    # "(?!)" matches nothing: a grid without points of this kind gives the rule no jobs.
+    return "|".join(re.escape(r) for r in ids) or "(?!)"
+
+
+def run_nodes(wildcards):
+    return point(wildcards).nodes
+
+
+def run_threads_per_node(wildcards):
+    """CPU threads of one node of a multi-node run (its ranks on that node x threads per rank)."""
+    return point(wildcards).gpus_per_node * CFG.train.cpu_threads_per_rank
+
+
+def run_multinode_slurm_extra(wildcards):
+    """sbatch options of a multi-node run that depend on the point, so they live in the rule.
+
+    `--gpus-per-node`: Slurm may otherwise spread `--gpus=N` unevenly over the nodes (3 + 1),
+    while every node runs gpus/nodes ranks. `--signal=TERM@300`: as the profile sets for `train`
+    (SIGTERM 300 s before the time limit: checkpoint and exit 75). A profile `slurm_extra` for
+    train_multinode would replace this whole string, so the profile sets none.
+    """
+    return f"--gpus-per-node={point(wildcards).gpus_per_node} --signal=TERM@300"

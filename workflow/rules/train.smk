@@ -8,33 +8,6 @@
 #                    `detscale launch --nodes M` starts one torchrun agent per node with srun.
 
 
-def _runs_pattern(multinode):
-    """Regex of the run ids trained by one rule: the multi-node points, or the single-node ones."""
-    ids = [p.run_id for p in CFG.runs() if (p.nodes > 1) == multinode]
-    # "(?!)" matches nothing: a grid without points of this kind gives the rule no jobs.
-    return "|".join(re.escape(r) for r in ids) or "(?!)"
-
-
-def run_nodes(wildcards):
-    return point(wildcards).nodes
-
-
-def run_threads_per_node(wildcards):
-    """CPU threads of one node of a multi-node run (its ranks on that node x threads per rank)."""
-    return point(wildcards).gpus_per_node * CFG.train.cpu_threads_per_rank
-
-
-def run_multinode_slurm_extra(wildcards):
-    """sbatch options of a multi-node run that depend on the point, so they live in the rule.
-
-    `--gpus-per-node`: Slurm may otherwise spread `--gpus=N` unevenly over the nodes (3 + 1),
-    while every node runs gpus/nodes ranks. `--signal=TERM@300`: as the profile sets for `train`
-    (SIGTERM 300 s before the time limit: checkpoint and exit 75). A profile `slurm_extra` for
-    train_multinode would replace this whole string, so the profile sets none.
-    """
-    return f"--gpus-per-node={point(wildcards).gpus_per_node} --signal=TERM@300"
-
-
 # The outputs and command shared by both training rules.
 TRAIN_OUTPUT = dict(
     timing=f"{RUN_DIR}/timing.json",
@@ -75,7 +48,7 @@ rule train:
     output:
         **TRAIN_OUTPUT,
     wildcard_constraints:
-        run=_runs_pattern(multinode=False),
+        run=train_runs_pattern(multinode=False),
     params:
         out=lambda wildcards, output: os.path.dirname(output.timing),
         gpus=run_gpus,
@@ -122,7 +95,7 @@ rule train_multinode:
     output:
         **TRAIN_OUTPUT,
     wildcard_constraints:
-        run=_runs_pattern(multinode=True),
+        run=train_runs_pattern(multinode=True),
     params:
         out=lambda wildcards, output: os.path.dirname(output.timing),
         gpus=run_gpus,
