@@ -75,7 +75,7 @@ def test_parameter_groups_and_decay() -> None:
     assert [p.shape for p in groups["weight"]] == [(4, 3, 3, 3), (2, 4, 1, 1)]
     assert [p.shape for p in groups["norm_weight"]] == [(4,)]
     assert [p.shape for p in groups["bias"]] == [(4,), (2,)]  # BN bias and conv bias
-    opt = build_optimizer(net, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    opt = build_optimizer(net, "sgd", lr=0.1, momentum=0.9, weight_decay=1e-3)
     decay = {g["name"]: g["weight_decay"] for g in opt.param_groups}
     assert decay == {"weight": 1e-3, "norm_weight": 0.0, "bias": 0.0}
     assert all(g["nesterov"] for g in opt.param_groups)
@@ -90,7 +90,7 @@ def test_schedules_and_warmup() -> None:
     assert warmup_iterations(3, 10, 4) == 20  # but at most half the run
     assert warmup_iterations(0, 10, 4) == 0
     net = _net()
-    opt = build_optimizer(net, lr=0.01, momentum=0.937, weight_decay=0.0)
+    opt = build_optimizer(net, "sgd", lr=0.01, momentum=0.937, weight_decay=0.0)
     build_scheduler(opt, "linear", 10, 0.01)
     apply_warmup(opt, 0, 100, 1.0, warmup_bias_lr=0.1, warmup_momentum=0.8, momentum=0.937)
     lrs = {g["name"]: g["lr"] for g in opt.param_groups}
@@ -99,6 +99,26 @@ def test_schedules_and_warmup() -> None:
     apply_warmup(opt, 50, 100, 1.0, warmup_bias_lr=0.1, warmup_momentum=0.8, momentum=0.937)
     lrs = {g["name"]: g["lr"] for g in opt.param_groups}
     assert lrs["weight"] == pytest.approx(0.005) and lrs["bias"] == pytest.approx(0.055)
+
+
+def test_adamw_groups_and_beta1_warmup() -> None:
+    net = _net()
+    opt = build_optimizer(net, "adamw", lr=1e-3, momentum=0.9, weight_decay=5e-4)
+    assert isinstance(opt, torch.optim.AdamW)
+    decay = {g["name"]: g["weight_decay"] for g in opt.param_groups}
+    assert decay == {"weight": 5e-4, "norm_weight": 0.0, "bias": 0.0}
+    assert all(g["betas"] == (0.9, 0.999) for g in opt.param_groups)
+    build_scheduler(opt, "linear", 10, 0.01)
+    # warm-up ramps AdamW's beta1 where SGD's momentum would ramp; beta2 is left alone
+    apply_warmup(opt, 50, 100, 1.0, warmup_bias_lr=0.0, warmup_momentum=0.8, momentum=0.9)
+    assert all(g["betas"] == (pytest.approx(0.85), 0.999) for g in opt.param_groups)
+    assert all("momentum" not in g for g in opt.param_groups)
+    assert {g["name"]: g["lr"] for g in opt.param_groups}["weight"] == pytest.approx(5e-4)
+    x = torch.randn(2, 3, 8, 8)
+    net(x).sum().backward()
+    opt.step()  # the ramped betas are a valid AdamW state
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        build_optimizer(net, "lamb", lr=1e-3, momentum=0.9, weight_decay=0.0)
 
 
 def test_ema_ramps_and_follows_weights_and_buffers() -> None:

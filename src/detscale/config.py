@@ -167,6 +167,7 @@ class GridConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    optimizer: str = "sgd"
     lr0: float = 0.01
     lrf: float = 0.01
     momentum: float = 0.937

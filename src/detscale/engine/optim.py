@@ -1,9 +1,12 @@
-"""SGD with YOLO parameter groups, the warm-up, and the per-epoch learning-rate schedule.
+"""The optimiser (SGD or AdamW) with YOLO parameter groups, the warm-up, and the per-epoch schedule.
 
 Three groups: convolution/linear weights (with weight decay), normalisation weights (no decay)
 and biases (no decay; during warm-up their learning rate falls from ``warmup_bias_lr`` while the
-others rise from 0). The schedule multiplies every group's ``initial_lr`` by ``lr_factor(epoch)``
-and is stepped once per epoch; warm-up overrides lr and momentum per iteration on top of it.
+others rise from 0). SGD is the YOLO reference; AdamW converges in far fewer optimiser steps and is
+what short runs (the CPU default) use, as Ultralytics' ``optimizer=auto`` does for runs under
+10,000 iterations. Its beta1 plays the role of SGD's momentum, warm-up included. The schedule
+multiplies every group's ``initial_lr`` by ``lr_factor(epoch)`` and is stepped once per epoch;
+warm-up overrides lr and momentum per iteration on top of it.
 """
 
 from __future__ import annotations
@@ -35,19 +38,23 @@ def split_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return groups
 
 
-def build_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
-    """Nesterov SGD over the three groups; each group carries its ``name``."""
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def build_optimizer(model: nn.Module, name: str, lr: float, momentum: float, weight_decay: float
+                    ) -> torch.optim.Optimizer:
+    """Nesterov SGD or AdamW (beta1 = ``momentum``) over the three groups; each group carries its ``name``."""
     groups = split_parameters(model)
-    return torch.optim.SGD(
-        [
-            {"params": groups["weight"], "weight_decay": weight_decay, "name": "weight"},
-            {"params": groups["norm_weight"], "weight_decay": 0.0, "name": "norm_weight"},
-            {"params": groups["bias"], "weight_decay": 0.0, "name": "bias"},
-        ],
-        lr=lr,
-        momentum=momentum,
-        nesterov=True,
-    )
+    param_groups = [
+        {"params": groups["weight"], "weight_decay": weight_decay, "name": "weight"},
+        {"params": groups["norm_weight"], "weight_decay": 0.0, "name": "norm_weight"},
+        {"params": groups["bias"], "weight_decay": 0.0, "name": "bias"},
+    ]
+    if name == "sgd":
+        return torch.optim.SGD(param_groups, lr=lr, momentum=momentum, nesterov=True)
+    if name == "adamw":
+        return torch.optim.AdamW(param_groups, lr=lr, betas=(momentum, 0.999))
+    raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
 
 
 def lr_factor(schedule: str, epochs: int, lrf: float) -> Callable[[int], float]:
@@ -80,9 +87,13 @@ def apply_warmup(
     warmup_momentum: float,
     momentum: float,
 ) -> None:
-    """Set lr and momentum for ``iteration`` (< ``warmup_iters``): linear ramps to the scheduled values."""
+    """Set lr and momentum (AdamW: beta1) for ``iteration`` < ``warmup_iters``: linear ramps to the schedule."""
     xp = [0, warmup_iters]
     for group in optimizer.param_groups:
         start = warmup_bias_lr if group["name"] == "bias" else 0.0
         group["lr"] = float(np.interp(iteration, xp, [start, group["initial_lr"] * epoch_factor]))
-        group["momentum"] = float(np.interp(iteration, xp, [warmup_momentum, momentum]))
+        beta = float(np.interp(iteration, xp, [warmup_momentum, momentum]))
+        if "betas" in group:
+            group["betas"] = (beta, group["betas"][1])
+        else:
+            group["momentum"] = beta

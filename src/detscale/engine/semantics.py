@@ -27,6 +27,7 @@ class TrainSemantics:
     nominal_batch: int
     accumulate: int  # batches per optimiser step
     images_per_optimizer_step: int
+    optimizer: str  # sgd | adamw
     lr_scaling: str  # none | linear | sqrt, relative to the nominal batch
     lr_scale: float
     lr0: float  # after scaling
@@ -79,6 +80,7 @@ def derive_semantics(cfg: ExperimentConfig, point: RunPoint, world_size: int, de
         nominal_batch=t.nominal_batch,
         accumulate=accumulate,
         images_per_optimizer_step=per_step,
+        optimizer=t.optimizer,
         lr_scaling=t.lr_scaling,
         lr_scale=scale,
         lr0=t.lr0 * scale,

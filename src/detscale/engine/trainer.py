@@ -345,7 +345,7 @@ def build_parts(point: RunPoint, nc: int, sem: TrainSemantics, tcfg: TrainConfig
     if sem.channels_last:
         raw = raw.to(memory_format=torch.channels_last)
     ema = ModelEMA(raw, tcfg.ema_decay, tcfg.ema_tau)
-    optimizer = build_optimizer(raw, sem.lr0, tcfg.momentum, sem.weight_decay)
+    optimizer = build_optimizer(raw, sem.optimizer, sem.lr0, tcfg.momentum, sem.weight_decay)
     scheduler = build_scheduler(optimizer, sem.lr_schedule, sem.epochs, tcfg.lrf)
     amp_dtype = AMP_DTYPES.get(sem.precision)
     scaler = torch.amp.GradScaler(info.device.type, enabled=sem.precision == "fp16")
@@ -512,7 +512,7 @@ def summary_text(point: RunPoint, sem: TrainSemantics, report: dict[str, Any], b
     lines = [
         f"run {point.run_id}: {sem.epochs} epochs on {sem.world_size} {report['device']} rank(s) ({report['backend']})",
         f"  batch {sem.batch_per_rank}/rank, global {sem.global_batch}, accumulate {sem.accumulate}, "
-        f"lr0 {sem.lr0:g} ({sem.lr_scaling}), precision {sem.precision}",
+        f"{sem.optimizer} lr0 {sem.lr0:g} ({sem.lr_scaling}), precision {sem.precision}",
         f"  throughput {report['images_per_s']:.1f} img/s ({per_rank} per rank), "
         f"data wait {100 * report['data_wait_share']:.1f}% of step time",
         f"  train {report['train_seconds']:.1f} s, validation {report['val_seconds']:.1f} s, "
@@ -583,9 +583,9 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
     spec = load_spec(data_yaml, splits=("val",) if cfg.train.val_interval > 0 else ())
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    log.info("run %s: %d rank(s) on %s (%s), batch %d/rank, global %d, accumulate %d, lr0 %g, precision %s",
-             point.run_id, info.world_size, info.device.type, info.backend, sem.batch_per_rank, sem.global_batch,
-             sem.accumulate, sem.lr0, sem.precision)
+    log.info("run %s: %d rank(s) on %s (%s), batch %d/rank, global %d, accumulate %d, %s lr0 %g, "
+             "precision %s", point.run_id, info.world_size, info.device.type, info.backend, sem.batch_per_rank,
+             sem.global_batch, sem.accumulate, sem.optimizer, sem.lr0, sem.precision)
 
     parts = build_parts(point, spec.nc, sem, cfg.train, info)
     timing = RankTiming(warmup_steps=cfg.train.timing_warmup_steps)
