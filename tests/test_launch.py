@@ -359,7 +359,8 @@ def test_workflow_rerun_resumes_a_stopped_training(tmp_path: Path) -> None:
     second = subprocess.run([*cmd, "--rerun-incomplete"], env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-4000:]
     log = (work / "results" / "logs" / "runs" / run.name / "train.log").read_text()
-    assert f"resuming from {run.relative_to(work) / 'weights' / 'last.pt'}: epoch {stopped}," in log, log[-3000:]
+    last = run.relative_to(work) / "weights" / "last.pt"
+    assert f"resuming from {last} at epoch {stopped + 1} step" in log, log[-3000:]
     assert _torch_load(run / "weights" / "last.pt")["epoch"] == 6
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 6  # the first attempt's rows kept
     assert not (run / "resume-stash").exists()

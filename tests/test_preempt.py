@@ -109,7 +109,7 @@ def test_sigterm_saves_requeues_and_resumes(tiny_run: tuple[Path, str], tmp_path
     code = _wait(_launch(config, run, out, second_log), second_log, 300)
     text = second_log.read_text()
     assert code == 0, text[-3000:]
-    resumed = f"resuming from {out / 'weights' / 'last.pt'}: epoch {ckpt['epoch']}, step {ckpt['step']}"
+    resumed = f"resuming from {out / 'weights' / 'last.pt'} at epoch {ckpt['epoch'] + 1} step {ckpt['step']}"
     assert resumed in text, text[-3000:]
     assert (out / "timing.json").is_file()
     epochs = [json.loads(line)["epoch"] for line in metrics.read_text().splitlines() if line.strip()]

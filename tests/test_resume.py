@@ -148,7 +148,7 @@ def test_rank_killed_mid_epoch_restarts_and_finishes(tmp_path: Path, data_yaml: 
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     log = (out / "logs" / "rank0.log").read_text()
-    assert "resuming from" in log and "torchrun restart" in log and "epoch 1, step 0" in log
+    assert "resuming from" in log and "torchrun restart" in log and "at epoch 2 step 0" in log
     ckpt = trainer.ckpt_io.load_checkpoint(out / "weights" / "last.pt")
     assert ckpt["epoch"] == 3 and ckpt["step"] == 0 and len(ckpt["rng"]) == 2
     assert not [p.name for p in (out / "weights").iterdir() if p.name != "last.pt"]  # no temporary files left

@@ -244,7 +244,7 @@ def test_multinode_launch_preempted_and_resumed(cluster: None, tmp_path: Path) -
     second = _run([*sbatch, "--wait", f"--output={tmp_path / 'second.out'}"], 300, cwd=ROOT)
     text = (tmp_path / "second.out").read_text()
     assert second.returncode == 0, text[-3000:]
-    assert f"epoch {ckpt['epoch']}, step {ckpt['step']}" in text and "resuming from" in text, text[-3000:]
+    assert f"at epoch {ckpt['epoch'] + 1} step {ckpt['step']}" in text and "resuming from" in text, text[-3000:]
     timing = json.loads((out / "timing.json").read_text())
     env_json = json.loads((out / "env.json").read_text())
     assert timing["world_size"] == 2 and env_json["world_size"] == 2

@@ -443,7 +443,8 @@ def find_resume_checkpoint(paths: RunPaths, resume: bool, digest: str, world_siz
         )
     if ckpt.get("world_size") != world_size:
         raise ckpt_io.CheckpointError(f"{paths.last} was written by {ckpt.get('world_size')} ranks, not {world_size}")
-    log.info("resuming from %s: epoch %d, step %d%s", paths.last, ckpt["epoch"], ckpt["step"],
+    # 1-based, as the "stopped by a signal at epoch E step S" warning that precedes a resume prints it.
+    log.info("resuming from %s at epoch %d step %d%s", paths.last, ckpt["epoch"] + 1, ckpt["step"],
              " (torchrun restart)" if restart else "")
     return ckpt
 
