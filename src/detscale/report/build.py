@@ -120,7 +120,11 @@ def methods(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig) -
         f"validation images (`detscale evaluate`, faster-coco-eval, the numbers pycocotools gives), confidence "
         f"≥ {cfg.eval.conf}, NMS IoU {cfg.eval.iou}, at most {cfg.eval.max_det} detections per image.",
         f"Repeats: {cfg.grid.repeats} per experiment point (same seed {cfg.grid.seed}); tables show the median and "
-        "(min–max) over repeats.",
+        "(min–max) over repeats. Repeats share the seed, so their spread is timing noise and non-determinism, not "
+        "seed-to-seed training variance (CPU training is deterministic: repeats there reach the same mAP). Runs with "
+        "different GPU counts see the data in another order, as runs with another seed do: a Δ mAP within the spread "
+        "between seeds of one configuration is not an accuracy cost of the GPUs. Run the grid with other grid.seed "
+        "values to measure that spread.",
         placement_note(cfg, rows),
     ]
 
