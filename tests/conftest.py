@@ -21,3 +21,14 @@ def _venv_on_path():
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the tests that bring up Slurm last.
+
+    They install Slurm's client commands (``tests/slurm/cluster.sh``) and stop the cluster when
+    they finish. With ``sinfo`` on PATH and no controller answering, every later ``snakemake``
+    call waits 10 s at start-up: the Slurm executor plugin runs ``scontrol show config`` (10 s
+    timeout) to word its ``--help``. Last, they cost the other workflow tests nothing.
+    """
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("slurm") is not None)
