@@ -1,23 +1,29 @@
-"""Forward+backward throughput of the detectors on the CPU, eager and with ``torch.compile``.
+"""Training-step throughput of the detectors on the CPU: NCHW vs channels_last, and ``torch.compile``.
 
-    .venv/bin/python benchmarks/bench_model.py [--steps 3] [--warmup 1] [--threads 2] [--no-compile]
+    .venv/bin/python benchmarks/bench_model.py [--rounds 5] [--steps 3] [--threads 1] [--compile]
 
-Prints one table row per (model, image size, mode): images per second of forward + loss +
-backward with batch 8 and random targets; the warm-up steps (and compilation) are not timed.
-Where ``torch.compile`` fails, the row says why instead of a number.
+For each case (model, image size, batch) it times forward + loss + backward with random targets
+in the default NCHW layout and in channels_last (the ``train.channels_last`` setting). The two
+layouts run in alternating rounds of ``--steps`` steps, after untimed warm-up steps, and each
+row gives the median img/s over the rounds; the ratio is of the medians, so slow drift of a
+shared machine hits both alike. ``--compile`` adds a ``torch.compile`` row per case (compilation
+happens in the warm-up; where it fails, the row says why instead of a number).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from detscale.loss import DetectionLoss
 from detscale.model import build_model
 
-CASES = (("gelan-t", 256), ("gelan-s", 640))
+# (model, image size, batch): the default config's point first, then the larger ones
+CASES = (("gelan-t", 64, 32), ("gelan-t", 256, 8), ("gelan-s", 640, 4))
 
 
 def random_targets(batch: int, per_image: int = 4, nc: int = 80) -> torch.Tensor:
@@ -30,20 +36,26 @@ def random_targets(batch: int, per_image: int = 4, nc: int = 80) -> torch.Tensor
     return torch.cat((img[:, None], cls[:, None], cxcy, wh), 1)
 
 
-def images_per_s(name: str, imgsz: int, batch: int, steps: int, warmup: int, compile_model: bool) -> float:
+def make_step(name: str, imgsz: int, batch: int, mode: str) -> Callable[[], None]:
+    """One training step's work (no optimiser update: it is the same in every layout)."""
     torch.manual_seed(0)
     model = build_model(name, nc=80).train()
     criterion = DetectionLoss(model)
-    forward = torch.compile(model) if compile_model else model
     x, targets = torch.rand(batch, 3, imgsz, imgsz), random_targets(batch)
+    if mode == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    forward = torch.compile(model) if mode == "compile" else model
 
     def step() -> None:
         loss, _ = criterion(forward(x), targets)
         model.zero_grad(set_to_none=True)
         loss.backward()
 
-    for _ in range(warmup):
-        step()
+    return step
+
+
+def timed(step: Callable[[], None], steps: int, batch: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -52,23 +64,39 @@ def images_per_s(name: str, imgsz: int, batch: int, steps: int, warmup: int, com
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation happens here)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating timed rounds per layout")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (a CPU rank of the default config: 1)")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile (slow to compile on 2 cores)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, batch {args.batch}, "
-          f"{args.steps} timed steps after {args.warmup} warm-up")
-    print(f"{'model':<10}{'imgsz':>6}  {'mode':<8}{'img/s':>10}")
-    for name, imgsz in CASES:
-        for mode in ("eager",) if args.no_compile else ("eager", "compile"):
+    print(f"torch {torch.__version__}, {args.threads} thread(s); median of {args.rounds} alternating rounds of "
+          f"{args.steps} steps after {args.warmup} warm-up steps")
+    print(f"{'model':<10}{'imgsz':>6}{'batch':>6}  {'mode':<14}{'img/s':>10}")
+    for name, imgsz, batch in CASES:
+        layouts = {mode: make_step(name, imgsz, batch, mode) for mode in ("eager", "channels_last")}
+        rates: dict[str, list[float]] = {mode: [] for mode in layouts}
+        for step in layouts.values():
+            for _ in range(args.warmup):
+                step()
+        for _ in range(args.rounds):
+            for mode, step in layouts.items():
+                rates[mode].append(timed(step, args.steps, batch))
+        eager = statistics.median(rates["eager"])
+        for mode in layouts:
+            rate = statistics.median(rates[mode])
+            ratio = f"  ({rate / eager:.2f}x eager; rounds {min(rates[mode]):.1f}-{max(rates[mode]):.1f})"
+            print(f"{name:<10}{imgsz:>6}{batch:>6}  {mode:<14}{rate:10.2f}{ratio}", flush=True)
+        if args.compile:
             try:
-                value = f"{images_per_s(name, imgsz, args.batch, args.steps, args.warmup, mode == 'compile'):10.2f}"
+                step = make_step(name, imgsz, batch, "compile")
+                for _ in range(args.warmup):
+                    step()
+                value = f"{statistics.median(timed(step, args.steps, batch) for _ in range(args.rounds)):10.2f}"
             except Exception as exc:  # torch.compile can fail for toolchain reasons; report, keep going
                 value = f"  failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
-            print(f"{name:<10}{imgsz:>6}  {mode:<8}{value}", flush=True)
+            print(f"{name:<10}{imgsz:>6}{batch:>6}  {'compile':<14}{value}", flush=True)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ train:
   close_mosaic: 1
   val_interval: 1
   timing_warmup_steps: 1
+  channels_last: true  # the layout the default config trains in: DDP buckets must follow it
 """
 
 

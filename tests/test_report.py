@@ -144,6 +144,7 @@ def test_report_files(repeated, tmp_path: Path):
     assert page.count("data:image/png;base64,") == 5
     assert "No GPU was used" in page and "CPU rank" in page
     assert "warm-up steps are excluded" in page
+    assert "Memory format: contiguous (NCHW)" in page  # the layout changes throughput: it is said
     assert "not an accuracy cost of the GPUs" in page  # a Δ mAP is read against the spread between seeds
     assert "Placement: exclusive" in page and "confirm that no two runs overlapped" in page
     assert "testhost" in page  # environment

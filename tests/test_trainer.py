@@ -53,6 +53,38 @@ def test_semantics_accumulate_lr_and_decay(gpus: int, scaling: str, accumulate: 
     assert derive_semantics(cfg, point, gpus, "cuda").precision == "bf16"
 
 
+def test_channels_last_applies_on_cpu_and_cuda() -> None:
+    cfg = _cfg(channels_last=True)
+    point = cfg.runs()[0]
+    assert derive_semantics(cfg, point, 1, "cpu").channels_last
+    assert derive_semantics(cfg, point, 1, "cuda").channels_last
+    assert not derive_semantics(_cfg(), point, 1, "cpu").channels_last
+
+
+def test_channels_last_gives_the_same_loss_and_gradients() -> None:
+    """The memory format changes kernels, not the function: float64 loss and gradients agree."""
+    from detscale.loss import DetectionLoss
+    from detscale.model import build_model
+
+    torch.manual_seed(0)
+    dense = build_model("gelan-t", nc=6).double().train()
+    fast = build_model("gelan-t", nc=6).double().train()
+    fast.load_state_dict(dense.state_dict())
+    fast = fast.to(memory_format=torch.channels_last)
+    assert all(p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+               for p in fast.parameters() if p.dim() == 4 and p.shape[2:] != (1, 1))
+    x = torch.rand(2, 3, 64, 64, dtype=torch.float64)
+    targets = torch.tensor([[0, 1, 0.5, 0.5, 0.4, 0.3], [1, 4, 0.3, 0.6, 0.2, 0.5]], dtype=torch.float64)
+    results = []
+    for model, inp in ((dense, x), (fast, x.contiguous(memory_format=torch.channels_last))):
+        loss, _ = DetectionLoss(model)(model(inp), targets)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_b == pytest.approx(loss_a, rel=1e-10)
+    assert max((grads_a[n] - grads_b[n]).abs().max().item() for n in grads_a) < 1e-9
+
+
 def test_world_size_must_match_the_run() -> None:
     cfg = _cfg()
     with pytest.raises(config.ConfigError, match="2-rank run but 1 rank"):

@@ -91,7 +91,7 @@ def derive_semantics(cfg: ExperimentConfig, point: RunPoint, world_size: int, de
         precision_requested=point.precision,
         precision=precision,
         precision_note=note,
-        channels_last=bool(t.channels_last and device_type == "cuda"),
+        channels_last=t.channels_last,
         sync_bn=t.sync_bn,
         epochs=cfg.grid.epochs,
         seed=cfg.grid.seed,

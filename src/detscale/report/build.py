@@ -106,7 +106,8 @@ def methods(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig) -
         f"Throughput (img/s): images trained per second of wall time in the steady state, summed over ranks. The "
         f"first {_span([r['warmup_steps'] for r in rows])} warm-up steps are excluded "
         f"({_span([r['measured_steps'] for r in rows])} steps measured); on CUDA the clock is read after "
-        "synchronising. img/s per GPU = throughput / GPUs.",
+        "synchronising. img/s per GPU = throughput / GPUs. Memory format: "
+        f"{'channels_last' if cfg.train.channels_last else 'contiguous (NCHW)'}; precision as in the tables.",
         "Speed-up(N) = throughput(N) / throughput of the 1-GPU run of the same experiment point (median over its "
         "repeats; the smallest GPU count when a point has no 1-GPU run). Efficiency = speed-up / N (relative to "
         "the baseline's GPU count). Δ mAP = mAP(N) − median mAP of the baseline runs.",
