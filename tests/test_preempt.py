@@ -112,7 +112,9 @@ def test_sigterm_saves_requeues_and_resumes(tiny_run: tuple[Path, str], tmp_path
     resumed = f"resuming from {out / 'weights' / 'last.pt'} at epoch {ckpt['epoch'] + 1} step {ckpt['step']}"
     assert resumed in text, text[-3000:]
     assert (out / "timing.json").is_file()
-    epochs = [json.loads(line)["epoch"] for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    epochs = [row["epoch"] for row in rows]
     assert epochs == list(range(EPOCHS)), f"metrics.jsonl epochs {epochs}: each epoch exactly once"
+    assert not any(row["mosaic"] for row in rows)  # augment.mosaic 0: no epoch drew mosaics
     final = torch.load(out / "weights" / "last.pt", map_location="cpu", weights_only=False)
     assert final["epoch"] == EPOCHS

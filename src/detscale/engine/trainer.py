@@ -672,7 +672,8 @@ def _epochs(parts: Parts, train_loader: Any, val_loader: Any | None, progress: P
             "lr": lrs,
             "epoch_seconds": result.seconds,
             "images_per_s": sem.global_batch * result.step / result.seconds if result.seconds > 0 else None,
-            "mosaic": epoch < sem.epochs - sem.close_mosaic,
+            # whether mosaics were drawn this epoch (probability > 0, before close_mosaic)
+            "mosaic": cfg.augment.mosaic > 0 and epoch < sem.epochs - sem.close_mosaic,
         }
         improved = False
         if val_loader is not None and ((epoch + 1) % cfg.train.val_interval == 0 or epoch + 1 == sem.epochs):
