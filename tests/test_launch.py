@@ -6,6 +6,7 @@ checks that must fail do so before torchrun starts (no run folder is created).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -274,13 +275,36 @@ def test_resume_stash_keeps_newer_files_of_the_run_folder(tmp_path: Path) -> Non
     assert (out / "weights" / "last.pt").read_bytes() == b"newer"
 
 
+def test_resume_stash_follows_each_new_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's refresh after every save: the stash holds the newest checkpoint, not the first."""
+    out, stash = tmp_path / "run", tmp_path / "run" / "resume-stash"
+    monkeypatch.setenv(launch_mod.STASH_ENV, str(stash))
+    _run_folder(out, b"epoch-1")
+    launch_mod.refresh_resume_stash(out, "d")
+    # the trainer saves atomically: a new file renamed over last.pt (a new inode, not a write into it)
+    (out / "weights" / "new.pt").write_bytes(b"epoch-2")
+    os.replace(out / "weights" / "new.pt", out / "weights" / "last.pt")
+    launch_mod.refresh_resume_stash(out, "d")
+    assert sorted(p.name for p in stash.iterdir()) == ["config_digest", "metrics.jsonl", "weights__last.pt"]
+    _delete_outputs(out)  # the job died; Snakemake deletes its outputs
+    assert restore_resume_files(out, stash, "d")
+    assert (out / "weights" / "last.pt").read_bytes() == b"epoch-2"
+    # Outside a launcher with --resume-stash there is nothing to refresh.
+    monkeypatch.delenv(launch_mod.STASH_ENV)
+    launch_mod.refresh_resume_stash(out, "d")
+    assert not stash.exists()
+
+
 @pytest.mark.parametrize(("code", "kept"), [(EXIT_PREEMPTED, True), (1, True), (0, False)])
 def test_launch_stashes_after_a_failed_run_and_restores_before_the_next(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, kept: bool) -> None:
     out, stash = tmp_path / "run", tmp_path / "run" / "resume-stash"
     seen: list[bytes | None] = []
 
+    monkeypatch.delenv(launch_mod.STASH_ENV, raising=False)
+
     def ranks(_req: LaunchRequest) -> int:
+        assert os.environ[launch_mod.STASH_ENV] == str(stash.resolve())  # for rank 0's refreshes
         last = out / "weights" / "last.pt"
         seen.append(last.read_bytes() if last.exists() else None)
         if not last.exists():  # the run writes its checkpoint
@@ -292,6 +316,7 @@ def test_launch_stashes_after_a_failed_run_and_restores_before_the_next(
                         train_argv=("train",), stash=(out, stash, "digest"))
     assert launch_mod.launch(req) == code
     assert stash.is_dir() == kept
+    assert launch_mod.STASH_ENV not in os.environ
     _delete_outputs(out)
     launch_mod.launch(req)
     # The second start found the first run's checkpoint only when the first one failed.
@@ -323,11 +348,15 @@ def test_launch_does_not_stash_a_checkpoint_older_than_the_run(tmp_path: Path, m
 
 
 @pytest.mark.slow
-def test_workflow_rerun_resumes_a_stopped_training(tmp_path: Path) -> None:
-    """SIGTERM a training job of the workflow, then rerun it: it resumes instead of starting over.
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_workflow_rerun_resumes_a_stopped_training(tmp_path: Path, how: str) -> None:
+    """Stop a training job of the workflow, then rerun it: it resumes instead of starting over.
 
     Snakemake deletes the job's outputs, weights/last.pt included, before running it again; the
-    rule's ``--resume-stash`` is what carries the checkpoint across.
+    rule's ``--resume-stash`` is what carries the checkpoint across. ``sigterm``: the launcher is
+    signalled as Slurm does before a time limit (rank 0 writes a mid-epoch checkpoint, the
+    launcher stashes it). ``sigkill``: the job's whole process tree dies at once, as on a lost
+    node; the stash rank 0 refreshed after its last epoch is what remains.
     """
     import psutil
     import yaml
@@ -346,10 +375,17 @@ def test_workflow_rerun_resumes_a_stopped_training(tmp_path: Path) -> None:
         while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
             assert first.poll() is None and time.monotonic() < deadline, "no epoch finished"
             time.sleep(0.2)
-        # This workflow's launcher, as Slurm would signal it before a time limit.
         (launcher,) = [p for p in psutil.Process(first.pid).children(recursive=True)
                        if "--resume-stash" in p.cmdline() and "launch" in p.cmdline()]
-        launcher.send_signal(signal.SIGTERM)
+        if how == "sigterm":  # as Slurm signals the job before a time limit
+            launcher.send_signal(signal.SIGTERM)
+        else:  # no warning, nothing runs after: launcher, torchrun, ranks and loader workers at once
+            while not (run / "resume-stash" / "config_digest").is_file():
+                assert first.poll() is None and time.monotonic() < deadline, "rank 0 did not refresh the stash"
+                time.sleep(0.05)
+            for proc in [launcher, *launcher.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
         assert first.wait(timeout=300) != 0
     finally:
         if first.poll() is None:

@@ -24,10 +24,12 @@ Multi-node runs (``--nodes M`` inside a Slurm allocation) delegate the command l
 
 Resuming under a workflow (``--resume-stash DIR``): Snakemake deletes a job's outputs before it
 runs the job again, and ``weights/last.pt`` is one of them, so a rerun after a preemption would
-start from scratch. When the run ends with a non-zero status, the files a resume needs
-(:data:`RESUME_FILES`) are hard-linked into ``DIR`` with the run's config digest; the next start
-moves them back when the run folder lacks them and the digest still matches (a stash of another
-config is deleted, never resumed from); a run that succeeds deletes the stash.
+start from scratch. The files a resume needs (:data:`RESUME_FILES`) are hard-linked into ``DIR``
+with the run's config digest: by rank 0 after every checkpoint it writes (the launcher passes
+``DIR`` as :data:`STASH_ENV`), so that a job killed outright (SIGKILL, a lost node) still
+resumes from its last epoch, and by the launcher when the run ends with a non-zero status. The
+next start moves them back when the run folder lacks them and the digest still matches (a stash
+of another config is deleted, never resumed from); a run that succeeds deletes the stash.
 """
 
 from __future__ import annotations
@@ -284,26 +286,52 @@ RESUME_FILES = ("weights/last.pt", "metrics.jsonl")
 STASH_DIGEST = "config_digest"
 
 
+#: The stash folder, for the trainer's rank 0 to refresh after each checkpoint (set by :func:`launch`).
+STASH_ENV = "DETSCALE_RESUME_STASH"
+
+
 def stash_resume_files(out: Path, stash: Path, digest: str) -> bool:
     """Hard-link the resume files of run folder ``out`` into ``stash``; False when there is no checkpoint.
 
     Links, not copies: instant (a preempted job has seconds left), and the data survives the
-    workflow deleting the originals. A file system that refuses links gets a copy.
+    workflow deleting the originals. A file system that refuses links gets a copy. Each file is
+    linked under a temporary name and renamed over the old one, and the digest marker is written
+    last, so a process killed at any point leaves the previous stash or the new one, never a mix
+    that restores nothing. A stash of another digest (or an incomplete one) is replaced whole.
     """
     if not (out / RESUME_FILES[0]).is_file():
         return False
-    shutil.rmtree(stash, ignore_errors=True)
-    stash.mkdir(parents=True)
+    marker = stash / STASH_DIGEST
+    if stash.exists() and not (marker.is_file() and marker.read_text().strip() == digest):
+        shutil.rmtree(stash, ignore_errors=True)
+    stash.mkdir(parents=True, exist_ok=True)
     for name in RESUME_FILES:
         src, dst = out / name, stash / name.replace("/", "__")
-        if src.is_file():
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copy2(src, dst)
-    (stash / STASH_DIGEST).write_text(digest + "\n")
-    log.info("resume files of %s kept in %s (config digest %s)", out, stash, digest)
+        if not src.is_file():
+            dst.unlink(missing_ok=True)
+            continue
+        if dst.exists() and os.path.samefile(src, dst):
+            continue  # linked already (metrics.jsonl grows in place); rename() would leave tmp behind
+        tmp = dst.with_name(f".{dst.name}.tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copy2(src, tmp)
+        os.replace(tmp, dst)
+    if not marker.is_file():
+        tmp = marker.with_name(f".{marker.name}.tmp")
+        tmp.write_text(digest + "\n")
+        os.replace(tmp, marker)
+    log.debug("resume files of %s kept in %s (config digest %s)", out, stash, digest)
     return True
+
+
+def refresh_resume_stash(out: Path, digest: str) -> None:
+    """Under ``detscale launch --resume-stash``: bring the stash up to the checkpoint just written."""
+    stash = os.environ.get(STASH_ENV)
+    if stash:
+        stash_resume_files(out, Path(stash), digest)
 
 
 def restore_resume_files(out: Path, stash: Path, digest: str) -> bool:
@@ -353,7 +381,15 @@ def launch(req: LaunchRequest) -> int:
     out, stash, digest = req.stash
     restored = restore_resume_files(out, stash, digest)
     started = time.time()
-    code = run_ranks(req)
+    previous = os.environ.get(STASH_ENV)
+    os.environ[STASH_ENV] = str(stash.resolve())  # rank 0 refreshes it after every checkpoint
+    try:
+        code = run_ranks(req)
+    finally:
+        if previous is None:
+            os.environ.pop(STASH_ENV, None)
+        else:
+            os.environ[STASH_ENV] = previous
     last = out / RESUME_FILES[0]
     if code == 0:
         shutil.rmtree(stash, ignore_errors=True)
@@ -362,6 +398,7 @@ def launch(req: LaunchRequest) -> int:
         # written by this attempt. A stale one (another config, left in the folder) would be
         # labelled with the wrong digest and fail every later start.
         stash_resume_files(out, stash, digest)
+        log.info("resume files of %s kept in %s (config digest %s)", out, stash, digest)
     return code
 
 

@@ -55,7 +55,7 @@ from detscale.engine.optim import apply_warmup, build_optimizer, build_scheduler
 from detscale.engine.semantics import TrainSemantics, config_digest, derive_semantics
 from detscale.engine.timing import Clock, RankTiming, peak_memory, timing_report
 from detscale.errors import UserError
-from detscale.launch import EXIT_PREEMPTED
+from detscale.launch import EXIT_PREEMPTED, refresh_resume_stash
 
 log = logging.getLogger(__name__)
 
@@ -660,6 +660,7 @@ def _epochs(parts: Parts, train_loader: Any, val_loader: Any | None, progress: P
             save = checkpoint_dict(parts, progress, point, nc, digest, sem, timing)
             if save is not None:
                 ckpt_io.atomic_save(save, paths.last)
+                refresh_resume_stash(paths.out, digest)
             dist.barrier()
             return True
         timing.epoch_seconds.append(result.seconds)
@@ -691,6 +692,7 @@ def _epochs(parts: Parts, train_loader: Any, val_loader: Any | None, progress: P
         if save is not None:
             append_metrics(paths.metrics, row)
             ckpt_io.atomic_save(save, paths.last)
+            refresh_resume_stash(paths.out, digest)
             if improved:
                 ckpt_io.atomic_save(save, paths.best)
             log.info("epoch %d/%d: loss box %.4f cls %.4f dfl %.4f, %.1f s%s", epoch + 1, sem.epochs,
