@@ -7,6 +7,7 @@ checks that must fail do so before torchrun starts (no run folder is created).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -348,15 +350,14 @@ def test_launch_does_not_stash_a_checkpoint_older_than_the_run(tmp_path: Path, m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
-def test_workflow_rerun_resumes_a_stopped_training(tmp_path: Path, how: str) -> None:
-    """Stop a training job of the workflow, then rerun it: it resumes instead of starting over.
+def test_workflow_rerun_resumes_after_a_kill_and_after_a_sigterm(tmp_path: Path) -> None:
+    """Stop a training job of the workflow twice, rerunning it each time: it resumes, never starts over.
 
     Snakemake deletes the job's outputs, weights/last.pt included, before running it again; the
-    rule's ``--resume-stash`` is what carries the checkpoint across. ``sigterm``: the launcher is
-    signalled as Slurm does before a time limit (rank 0 writes a mid-epoch checkpoint, the
-    launcher stashes it). ``sigkill``: the job's whole process tree dies at once, as on a lost
-    node; the stash rank 0 refreshed after its last epoch is what remains.
+    rule's ``--resume-stash`` is what carries the checkpoint across. First the job's whole process
+    tree is SIGKILLed, as on a lost node: the stash rank 0 refreshed after its last epoch is all
+    that remains. Then the resumed job's launcher gets SIGTERM, as Slurm sends before a time limit:
+    rank 0 writes a mid-epoch checkpoint and the launcher stashes it. The third start finishes.
     """
     import psutil
     import yaml
@@ -367,39 +368,58 @@ def test_workflow_rerun_resumes_a_stopped_training(tmp_path: Path, how: str) -> 
     work = tmp_path / "work"
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     cmd = [sys.executable, "-m", "snakemake", "-s", str(root / "Snakefile"), "--directory", str(work),
-           "--configfile", str(config), "--cores", "2"]
+           "--configfile", str(config), "--cores", "2", "--rerun-incomplete"]
     run = work / "results" / "runs" / "gelan-t_64_g1_b2_disk_fp32_r0"
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
-            assert first.poll() is None and time.monotonic() < deadline, "no epoch finished"
-            time.sleep(0.2)
-        (launcher,) = [p for p in psutil.Process(first.pid).children(recursive=True)
-                       if "--resume-stash" in p.cmdline() and "launch" in p.cmdline()]
-        if how == "sigterm":  # as Slurm signals the job before a time limit
-            launcher.send_signal(signal.SIGTERM)
-        else:  # no warning, nothing runs after: launcher, torchrun, ranks and loader workers at once
-            while not (run / "resume-stash" / "config_digest").is_file():
-                assert first.poll() is None and time.monotonic() < deadline, "rank 0 did not refresh the stash"
-                time.sleep(0.05)
-            for proc in [launcher, *launcher.children(recursive=True)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    proc.kill()
-        assert first.wait(timeout=300) != 0
-    finally:
-        if first.poll() is None:
-            first.kill()
-    stopped = _torch_load(run / "resume-stash" / "weights__last.pt")["epoch"]
-    assert 1 <= stopped < 6
-    second = subprocess.run([*cmd, "--rerun-incomplete"], env=env, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-4000:]
-    log = (work / "results" / "logs" / "runs" / run.name / "train.log").read_text()
+    stash, train_log = run / "resume-stash", work / "results" / "logs" / "runs" / run.name / "train.log"
     last = run.relative_to(work) / "weights" / "last.pt"
-    assert f"resuming from {last} at epoch {stopped + 1} step" in log, log[-3000:]
+
+    def stop_when(ready: Callable[[], bool], stop: Callable[[psutil.Process], None]) -> int:
+        """Start the workflow, wait for ``ready``, ``stop`` its launcher; the epoch the stash resumes."""
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 300
+            while not ready():
+                assert proc.poll() is None and time.monotonic() < deadline, "the training did not get there"
+                time.sleep(0.05)
+            (launcher,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                           if "--resume-stash" in p.cmdline() and "launch" in p.cmdline()]
+            stop(launcher)
+            assert proc.wait(timeout=300) != 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        return _torch_load(stash / "weights__last.pt")["epoch"]
+
+    def kill_tree(launcher: psutil.Process) -> None:  # no warning: launcher, torchrun, rank, workers at once
+        for p in [launcher, *launcher.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+
+    def epochs_done() -> int:
+        metrics = run / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+    # 1. Killed once the first epoch's checkpoint is stashed (the launcher never gets to stash).
+    killed = stop_when(lambda: (stash / "config_digest").is_file(), kill_tree)
+    assert 1 <= killed <= 2
+
+    # 2. The rerun resumes at the next epoch; SIGTERM once it has trained one more.
+    def resumed_and_trained() -> bool:
+        log = train_log.read_text() if train_log.is_file() else ""
+        return f"resuming from {last} at epoch {killed + 1} step 0" in log and epochs_done() > killed
+
+    termed = stop_when(resumed_and_trained, lambda launcher: launcher.send_signal(signal.SIGTERM))
+    assert killed < termed < 6
+
+    # 3. The third start resumes where the SIGTERM stopped and finishes the run.
+    third = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stderr[-4000:]
+    log = train_log.read_text()
+    assert f"resuming from {last} at epoch {termed + 1} step" in log, log[-3000:]
     assert _torch_load(run / "weights" / "last.pt")["epoch"] == 6
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 6  # the first attempt's rows kept
-    assert not (run / "resume-stash").exists()
+    rows = [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(6))  # every attempt's rows kept, none twice
+    assert not stash.exists()
 
 
 def _torch_load(path: Path) -> dict:
