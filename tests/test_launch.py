@@ -291,10 +291,6 @@ def test_resume_stash_follows_each_new_checkpoint(tmp_path: Path, monkeypatch: p
     _delete_outputs(out)  # the job died; Snakemake deletes its outputs
     assert restore_resume_files(out, stash, "d")
     assert (out / "weights" / "last.pt").read_bytes() == b"epoch-2"
-    # Outside a launcher with --resume-stash there is nothing to refresh.
-    monkeypatch.delenv(launch_mod.STASH_ENV)
-    launch_mod.refresh_resume_stash(out, "d")
-    assert not stash.exists()
 
 
 @pytest.mark.parametrize(("code", "kept"), [(EXIT_PREEMPTED, True), (1, True), (0, False)])

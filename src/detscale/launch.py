@@ -48,6 +48,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from detscale.commands.runs import write_text_atomic
 from detscale.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -320,9 +321,7 @@ def stash_resume_files(out: Path, stash: Path, digest: str) -> bool:
             shutil.copy2(src, tmp)
         os.replace(tmp, dst)
     if not marker.is_file():
-        tmp = marker.with_name(f".{marker.name}.tmp")
-        tmp.write_text(digest + "\n")
-        os.replace(tmp, marker)
+        write_text_atomic(digest + "\n", marker)
     log.debug("resume files of %s kept in %s (config digest %s)", out, stash, digest)
     return True
 

@@ -454,6 +454,12 @@ def find_resume_checkpoint(paths: RunPaths, resume: bool, digest: str, world_siz
 # ---------------------------------------------------------------------------------------------
 
 
+def save_last(save: dict[str, Any], paths: RunPaths, digest: str) -> None:
+    """Write ``last.pt`` atomically and bring the launcher's resume stash up to it (when there is one)."""
+    ckpt_io.atomic_save(save, paths.last)
+    refresh_resume_stash(paths.out, digest)
+
+
 def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
@@ -659,8 +665,7 @@ def _epochs(parts: Parts, train_loader: Any, val_loader: Any | None, progress: P
         if not result.complete:
             save = checkpoint_dict(parts, progress, point, nc, digest, sem, timing)
             if save is not None:
-                ckpt_io.atomic_save(save, paths.last)
-                refresh_resume_stash(paths.out, digest)
+                save_last(save, paths, digest)
             dist.barrier()
             return True
         timing.epoch_seconds.append(result.seconds)
@@ -691,8 +696,7 @@ def _epochs(parts: Parts, train_loader: Any, val_loader: Any | None, progress: P
         save = checkpoint_dict(parts, progress, point, nc, digest, sem, timing)
         if save is not None:
             append_metrics(paths.metrics, row)
-            ckpt_io.atomic_save(save, paths.last)
-            refresh_resume_stash(paths.out, digest)
+            save_last(save, paths, digest)
             if improved:
                 ckpt_io.atomic_save(save, paths.best)
             log.info("epoch %d/%d: loss box %.4f cls %.4f dfl %.4f, %.1f s%s", epoch + 1, sem.epochs,
