@@ -290,7 +290,8 @@ def train_one_epoch(
     seconds = time.perf_counter() - t_epoch
     progress.step, progress.loss_sum, progress.epoch_seconds_done = i, loss_sum.tolist(), seconds
     # Items are this rank's share of the global loss: the sum over ranks is the global-batch loss.
-    mean = dist.all_reduce_sum(loss_sum.clone()) / max(i, 1)
+    # The sum travels on the device: NCCL has no CPU tensors (gloo takes either).
+    mean = dist.all_reduce_sum(loss_sum.to(device, copy=True)).cpu() / max(i, 1)
     return EpochResult(mean.tolist(), seconds, stopped, i, complete=i == nb)
 
 
