@@ -170,6 +170,41 @@ def test_ema_ramps_and_follows_weights_and_buffers() -> None:
     assert not any(p.requires_grad for p in ema.module.parameters())
 
 
+def test_ema_multi_tensor_update_equals_the_per_tensor_formula_bit_for_bit() -> None:
+    from detscale.model import build_model
+
+    torch.manual_seed(0)
+    net = build_model("yolov9-t", 3)  # dual head: parameters, BN buffers and counters of every kind
+    ema = ModelEMA(net, decay=0.9999, tau=20)
+    reference = {k: v.clone() for k, v in ema.state_dict().items()}
+    for step in range(1, 4):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+            for m in net.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.running_var.mul_(1.5)
+                    m.num_batches_tracked.add_(1)
+        ema.update(net)
+        d, current = ema.decay(step), net.state_dict()
+        for name, avg in reference.items():
+            if avg.dtype.is_floating_point:
+                avg.mul_(d).add_(current[name], alpha=1 - d)
+            else:
+                avg.copy_(current[name])
+    state = ema.state_dict()
+    assert state.keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.equal(state[name], value), name
+    counters = [v for k, v in state.items() if k.endswith("num_batches_tracked")]
+    assert counters and all(int(c) == 3 for c in counters)
+
+
+def test_optimisers_keep_the_default_implementation_on_the_cpu() -> None:
+    for name in ("sgd", "adamw"):  # fused kernels are for CUDA parameters (tests/test_gpu_check.py)
+        assert not build_optimizer(_net(), name, lr=1e-3, momentum=0.9, weight_decay=0.0).defaults.get("fused")
+
+
 def test_atomic_save_never_leaves_partial_files(tmp_path: Path) -> None:
     path = tmp_path / "weights" / "last.pt"
     ckpt_io.atomic_save({"model": {"w": torch.ones(3)}}, path)

@@ -9,6 +9,7 @@ across ranks), so all ranks' EMAs are equal; rank 0 saves it.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from typing import Any
 
@@ -31,16 +32,27 @@ class ModelEMA:
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        """One step towards ``model`` (the unwrapped training model)."""
+        """One step towards ``model`` (the unwrapped training model, of the EMA's structure).
+
+        The floating-point tensors move in two multi-tensor (``_foreach``) kernels, read straight
+        from ``parameters()`` and ``buffers()``. The per-tensor loop over two state dicts it replaces
+        cost ~900 kernel launches and ~6,000 ``detach`` calls per step: 57 ms of a 232 ms YOLOv9-S
+        step on an H200 (benchmarks/gpu_check.py). Same arithmetic, bit-identical results.
+        """
         self.updates += 1
         d = self.decay(self.updates)
-        current = model.state_dict()
-        for name, averaged in self.module.state_dict().items():
-            value = current[name].detach()
-            if averaged.dtype.is_floating_point:
-                averaged.mul_(d).add_(value.to(averaged.dtype), alpha=1 - d)
+        averaged, values = [], []
+        pairs = itertools.chain(zip(self.module.parameters(), model.parameters(), strict=True),
+                                zip(self.module.buffers(), model.buffers(), strict=True))
+        for avg, value in pairs:
+            if avg.dtype.is_floating_point:
+                averaged.append(avg)
+                values.append(value if value.dtype == avg.dtype else value.to(avg.dtype))
             else:  # counters such as BatchNorm's num_batches_tracked follow the model
-                averaged.copy_(value)
+                avg.copy_(value)
+        if averaged:
+            torch._foreach_mul_(averaged, d)
+            torch._foreach_add_(averaged, values, alpha=1 - d)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.module.state_dict()
