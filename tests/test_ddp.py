@@ -42,8 +42,9 @@ grid:
 train:
   # A small learning rate: the task-aligned assigner makes the loss piecewise (an anchor enters or
   # leaves the top-k), so larger steps turn rounding-level differences into different assignments.
-  lr0: 0.001
-  warmup_bias_lr: 0.001
+  # (A one-epoch run has no warm-up: the last epoch never is.)
+  lr0: 0.0005
+  warmup_bias_lr: 0.0005
   nominal_batch: 8
   warmup_epochs: 1
   sync_bn: true

@@ -103,6 +103,27 @@ def test_stopped_and_resumed_equals_uninterrupted(tmp_path: Path, data_yaml: Pat
     assert len(timing["epoch_seconds"]) == 3  # the whole run, across the stop
 
 
+def test_accumulation_ramp_steps_more_often_in_warmup_and_resumes_exactly(
+        tmp_path: Path, data_yaml: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """warmup_accumulate: ramp: epoch 0 (the warm-up) steps after batches 1, 2 and 4 (accumulate 1, 1, 2),
+    then 2 steps per epoch; stopped after the second step, inside the ramp, the resumed run ends the same."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CONFIG.format(data_yaml=data_yaml, gpus=1, batch=4, workers=0) + "  warmup_accumulate: ramp\n")
+    assert _train(cfg, tmp_path / "straight", data_yaml) == 0
+    with monkeypatch.context() as m:
+        _stop_after(m, 2)
+        assert _train(cfg, tmp_path / "stopped", data_yaml) == EXIT_PREEMPTED
+    saved = torch.load(tmp_path / "stopped" / "weights" / "last.pt", weights_only=False)
+    assert (saved["epoch"], saved["step"], saved["ema_updates"]) == (0, 2, 2)
+    assert _train(cfg, tmp_path / "stopped", data_yaml, resume=True) == 0
+    a = torch.load(tmp_path / "straight" / "weights" / "last.pt", weights_only=False)
+    b = torch.load(tmp_path / "stopped" / "weights" / "last.pt", weights_only=False)
+    assert a["ema_updates"] == b["ema_updates"] == 3 + 2 + 2
+    for key in ("model", "ema", "optimizer"):
+        assert _max_diff(a[key], b[key]) <= 1e-6, key
+    assert a["semantics"]["warmup_accumulate"] == "ramp"
+
+
 def test_resume_refuses_another_config(tmp_path: Path, data_yaml: Path) -> None:
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(CONFIG.format(data_yaml=data_yaml, gpus=1, batch=4, workers=0).replace("epochs: 3", "epochs: 1"))

@@ -20,6 +20,7 @@ from detscale.engine.optim import (
     build_scheduler,
     lr_factor,
     split_parameters,
+    warmup_accumulate,
     warmup_iterations,
 )
 from detscale.engine.semantics import config_digest, derive_semantics
@@ -117,10 +118,13 @@ def test_schedules_and_warmup() -> None:
     for schedule in ("linear", "cosine"):
         f = lr_factor(schedule, 10, 0.01)
         assert f(0) == pytest.approx(1.0) and f(10) == pytest.approx(0.01)
-    assert warmup_iterations(3, 10, 100) == 100  # at least 100 iterations
+    assert warmup_iterations(3, 10, 100) == 30  # warmup_epochs x batches per epoch (no 100-iteration floor)
     assert warmup_iterations(3, 100, 100) == 300
-    assert warmup_iterations(3, 10, 4) == 20  # but at most half the run
-    assert warmup_iterations(0, 10, 4) == 0
+    assert warmup_iterations(3, 10, 3) == 20  # but the last epoch is never warm-up
+    assert warmup_iterations(2.5, 10, 100) == 25
+    assert warmup_iterations(0, 10, 4) == warmup_iterations(3, 10, 1) == 0
+    ramp = [warmup_accumulate(i, 100, 4) for i in (0, 16, 17, 50, 83, 84, 99, 100, 500)]
+    assert ramp == [1, 1, 2, 2, 3, 4, 4, 4, 4]  # numpy rounds halves to even, as the reference does
     net = _net()
     opt = build_optimizer(net, "sgd", lr=0.01, momentum=0.937, weight_decay=0.0)
     build_scheduler(opt, "linear", 10, 0.01)
@@ -133,7 +137,7 @@ def test_schedules_and_warmup() -> None:
     assert lrs["weight"] == pytest.approx(0.005) and lrs["bias"] == pytest.approx(0.055)
 
 
-def test_adamw_groups_and_beta1_warmup() -> None:
+def test_adamw_groups_and_no_beta1_warmup() -> None:
     net = _net()
     opt = build_optimizer(net, "adamw", lr=1e-3, momentum=0.9, weight_decay=5e-4)
     assert isinstance(opt, torch.optim.AdamW)
@@ -141,14 +145,14 @@ def test_adamw_groups_and_beta1_warmup() -> None:
     assert decay == {"weight": 5e-4, "norm_weight": 0.0, "bias": 0.0}
     assert all(g["betas"] == (0.9, 0.999) for g in opt.param_groups)
     build_scheduler(opt, "linear", 10, 0.01)
-    # warm-up ramps AdamW's beta1 where SGD's momentum would ramp; beta2 is left alone
+    # as in the reference trainer, warm-up ramps SGD's momentum but leaves AdamW's betas alone
     apply_warmup(opt, 50, 100, 1.0, warmup_bias_lr=0.0, warmup_momentum=0.8, momentum=0.9)
-    assert all(g["betas"] == (pytest.approx(0.85), 0.999) for g in opt.param_groups)
+    assert all(g["betas"] == (0.9, 0.999) for g in opt.param_groups)
     assert all("momentum" not in g for g in opt.param_groups)
     assert {g["name"]: g["lr"] for g in opt.param_groups}["weight"] == pytest.approx(5e-4)
     x = torch.randn(2, 3, 8, 8)
     net(x).sum().backward()
-    opt.step()  # the ramped betas are a valid AdamW state
+    opt.step()
     with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
         build_optimizer(net, "lamb", lr=1e-3, momentum=0.9, weight_decay=0.0)
 

@@ -175,6 +175,7 @@ class TrainConfig:
     warmup_epochs: float = 3
     warmup_bias_lr: float = 0.1
     warmup_momentum: float = 0.8
+    warmup_accumulate: str = "fixed"
     nominal_batch: int = 64
     lr_schedule: str = "linear"
     lr_scaling: str = "none"

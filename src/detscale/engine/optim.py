@@ -4,7 +4,7 @@ Three groups: convolution/linear weights (with weight decay), normalisation weig
 and biases (no decay; during warm-up their learning rate falls from ``warmup_bias_lr`` while the
 others rise from 0). SGD is the YOLO reference; AdamW converges in far fewer optimiser steps and is
 what short runs (the CPU default) use, as Ultralytics' ``optimizer=auto`` does for runs under
-10,000 iterations. Its beta1 plays the role of SGD's momentum, warm-up included. The schedule
+10,000 iterations. Its beta1 plays the role of SGD's momentum (without the warm-up, as there). The schedule
 multiplies every group's ``initial_lr`` by ``lr_factor(epoch)`` and is stepped once per epoch;
 warm-up overrides lr and momentum per iteration on top of it.
 """
@@ -76,10 +76,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, epochs: int
 
 
 def warmup_iterations(warmup_epochs: float, batches_per_epoch: int, epochs: int) -> int:
-    """Warm-up length in iterations: ``max(warmup_epochs x nb, 100)``, but at most half the run."""
-    if warmup_epochs <= 0:
-        return 0
-    return int(min(max(round(warmup_epochs * batches_per_epoch), 100), epochs * batches_per_epoch / 2))
+    """Warm-up length in iterations: ``warmup_epochs x nb``, leaving at least the last epoch out of it.
+
+    The reference trainer's rule (Ultralytics 8.4). Counted in epochs, the warm-up covers the same
+    share of a run whatever the number of ranks (an older floor of 100 iterations did not).
+    """
+    warmup_epochs = min(warmup_epochs, max(epochs - 1, 0))
+    return round(warmup_epochs * batches_per_epoch) if warmup_epochs > 0 else 0
+
+
+def warmup_accumulate(iteration: int, warmup_iters: int, accumulate: int) -> int:
+    """Batches per optimiser step at ``iteration`` under ``warmup_accumulate: ramp``: 1 rising to ``accumulate``."""
+    if iteration >= warmup_iters:
+        return accumulate
+    return max(1, int(np.interp(iteration, [0, warmup_iters], [1, accumulate]).round()))
 
 
 def apply_warmup(
@@ -91,13 +101,14 @@ def apply_warmup(
     warmup_momentum: float,
     momentum: float,
 ) -> None:
-    """Set lr and momentum (AdamW: beta1) for ``iteration`` < ``warmup_iters``: linear ramps to the schedule."""
+    """Set lr (and SGD momentum) for ``iteration`` < ``warmup_iters``: linear ramps to the schedule.
+
+    The biases' lr falls from ``warmup_bias_lr``, the others rise from 0. SGD's momentum rises from
+    ``warmup_momentum``; AdamW's beta1 stays at its value, as in the reference trainer.
+    """
     xp = [0, warmup_iters]
     for group in optimizer.param_groups:
         start = warmup_bias_lr if group["name"] == "bias" else 0.0
         group["lr"] = float(np.interp(iteration, xp, [start, group["initial_lr"] * epoch_factor]))
-        beta = float(np.interp(iteration, xp, [warmup_momentum, momentum]))
-        if "betas" in group:
-            group["betas"] = (beta, group["betas"][1])
-        else:
-            group["momentum"] = beta
+        if "momentum" in group and "betas" not in group:
+            group["momentum"] = float(np.interp(iteration, xp, [warmup_momentum, momentum]))

@@ -26,6 +26,7 @@ class TrainSemantics:
     global_batch: int
     nominal_batch: int
     accumulate: int  # batches per optimiser step
+    warmup_accumulate: str  # fixed | ramp (from 1 batch to accumulate during warm-up)
     images_per_optimizer_step: int
     optimizer: str  # sgd | adamw
     lr_scaling: str  # none | linear | sqrt, relative to the nominal batch
@@ -79,6 +80,7 @@ def derive_semantics(cfg: ExperimentConfig, point: RunPoint, world_size: int, de
         global_batch=global_batch,
         nominal_batch=t.nominal_batch,
         accumulate=accumulate,
+        warmup_accumulate=t.warmup_accumulate,
         images_per_optimizer_step=per_step,
         optimizer=t.optimizer,
         lr_scaling=t.lr_scaling,

@@ -51,7 +51,14 @@ from detscale import config, dist
 from detscale.config import ExperimentConfig, RunPoint, TrainConfig
 from detscale.engine import checkpoint as ckpt_io
 from detscale.engine.ema import ModelEMA
-from detscale.engine.optim import apply_warmup, build_optimizer, build_scheduler, lr_factor, warmup_iterations
+from detscale.engine.optim import (
+    apply_warmup,
+    build_optimizer,
+    build_scheduler,
+    lr_factor,
+    warmup_accumulate,
+    warmup_iterations,
+)
 from detscale.engine.semantics import TrainSemantics, config_digest, derive_semantics
 from detscale.engine.timing import Clock, RankTiming, peak_memory, timing_report
 from detscale.errors import UserError
@@ -257,15 +264,19 @@ def train_one_epoch(
     bar = tqdm(total=nb, initial=progress.step, desc=f"epoch {epoch + 1}/{sem.epochs}", unit="batch",
                disable=not dist.is_main(), leave=False, mininterval=1.0, file=sys.stderr)
     i, stopped = progress.step, False
+    last_step = i - 1  # batch of the last optimiser step (a resumed epoch starts at a step boundary)
     t_prev = clock.now()
     while i < nb:
         imgs, targets, _metas = next(batches)
         t_data = clock.now()
         iteration = epoch * nb + i
+        accumulate = sem.accumulate
         if iteration < warmup_iters:
             apply_warmup(parts.optimizer, iteration, warmup_iters, factor, tcfg.warmup_bias_lr,
                          tcfg.warmup_momentum, tcfg.momentum)
-        boundary = (i + 1) % sem.accumulate == 0 or i == nb - 1
+            if sem.warmup_accumulate == "ramp":
+                accumulate = warmup_accumulate(iteration, warmup_iters, sem.accumulate)
+        boundary = i - last_step >= accumulate or i == nb - 1
         # Between optimiser steps the gradient all-reduce is skipped: DDP reduces the sum once.
         sync = contextlib.nullcontext() if boundary or sem.world_size == 1 else parts.model.no_sync()
         with sync:
@@ -273,6 +284,7 @@ def train_one_epoch(
                                targets, sem.world_size, parts.amp_dtype)
         if boundary:
             optimizer_step(parts, tcfg.clip_grad_norm, sync_buffers=sem.world_size > 1 and not sem.sync_bn)
+            last_step = i
         t_done = clock.now()
         timing.record_step(len(imgs), t_data - t_prev, t_done - t_data)
         loss_sum += items.cpu().double()
