@@ -37,10 +37,17 @@ class TaskAlignedAssigner:
     whose centre lies inside it with the highest ``score^alpha * CIoU^beta`` become positives; an
     anchor claimed by several boxes goes to the one it overlaps most. Target scores are the
     one-hot class scaled, per box, so that its best-aligned anchor gets that anchor's IoU.
+
+    ``min_side``: for the centre test only, a box side shorter than this (in the boxes' units) is
+    widened to it about the box centre, so that a box smaller than the grid still gets candidate
+    anchors. The reference trainer (Ultralytics 8.4) uses the middle stride (16 px); the YOLOv9
+    paper's assigner has no floor (``min_side=0``), and boxes between anchor centres then get no
+    positive at all (tests/test_oracles.py).
     """
 
-    def __init__(self, nc: int, topk: int = 10, alpha: float = 0.5, beta: float = 6.0, eps: float = 1e-9) -> None:
-        self.nc, self.topk, self.alpha, self.beta, self.eps = nc, topk, alpha, beta, eps
+    def __init__(self, nc: int, topk: int = 10, alpha: float = 0.5, beta: float = 6.0, eps: float = 1e-9,
+                 min_side: float = 0.0) -> None:
+        self.nc, self.topk, self.alpha, self.beta, self.eps, self.min_side = nc, topk, alpha, beta, eps, min_side
 
     @torch.no_grad()
     def __call__(self, pd_scores: torch.Tensor, pd_boxes: torch.Tensor, points: torch.Tensor,
@@ -60,8 +67,10 @@ class TaskAlignedAssigner:
                               torch.zeros(bsz, n_anchors, 4, device=device),
                               torch.zeros_like(pd_scores))
 
-        # Anchor centres strictly inside each box, for real boxes only: [B, M, A].
-        x1y1, x2y2 = gt_boxes[:, :, None, :2], gt_boxes[:, :, None, 2:]
+        # Anchor centres strictly inside each box (sides widened to min_side), for real boxes only: [B, M, A].
+        centre, half = (gt_boxes[..., :2] + gt_boxes[..., 2:]) / 2, (gt_boxes[..., 2:] - gt_boxes[..., :2]) / 2
+        half = half.clamp(min=self.min_side / 2)
+        x1y1, x2y2 = (centre - half)[:, :, None], (centre + half)[:, :, None]
         margin = torch.cat((points[None, None] - x1y1, x2y2 - points[None, None]), -1).amin(-1)
         candidates = (margin > self.eps) & gt_mask[:, :, None]
 
@@ -76,9 +85,9 @@ class TaskAlignedAssigner:
         in_topk = torch.zeros_like(candidates).scatter_(-1, top_idx, True)
         pos = in_topk & candidates  # [B, M, A]
 
-        # An anchor claimed by several boxes keeps only the box it overlaps most.
+        # An anchor claimed by several boxes goes to the box it overlaps most (of those it is a candidate of).
         multi = pos.sum(1, keepdim=True) > 1
-        best_box = F.one_hot(overlaps.masked_fill(~pos, -1.0).argmax(1), m).transpose(1, 2).bool()
+        best_box = F.one_hot(overlaps.argmax(1), m).transpose(1, 2).bool()
         pos = torch.where(multi, best_box, pos)
         fg_mask = pos.any(1)
         gt_idx = pos.to(torch.uint8).argmax(1)  # [B, A]
@@ -136,7 +145,8 @@ class DetectionLoss:
         self.strides: list[float] = [float(s) for s in raw.stride]
         self.gains = (box_gain, cls_gain, dfl_gain)
         self.aux_weight = aux_weight
-        self.assigner = TaskAlignedAssigner(self.nc, topk, alpha, beta)
+        # The reference's floor for small boxes: the middle stride (16 px for strides 8, 16, 32).
+        self.assigner = TaskAlignedAssigner(self.nc, topk, alpha, beta, min_side=self.strides[len(self.strides) // 2])
 
     def __call__(self, preds, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dual = isinstance(preds, (tuple, list)) and isinstance(preds[0], (tuple, list))

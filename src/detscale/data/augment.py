@@ -85,7 +85,7 @@ def clip_boxes(boxes: np.ndarray, w: float, h: float) -> np.ndarray:
 
 
 def box_candidates(
-    before: np.ndarray, after: np.ndarray, wh_thr: float = 2.0, ar_thr: float = 20.0, area_thr: float = 0.1
+    before: np.ndarray, after: np.ndarray, wh_thr: float = 2.0, ar_thr: float = 100.0, area_thr: float = 0.1
 ) -> np.ndarray:
     """Which boxes survive a transform: wider and taller than ``wh_thr`` pixels, aspect ratio below
     ``ar_thr``, and keeping more than ``area_thr`` of their area (``before`` is the transformed box
@@ -187,17 +187,22 @@ def mixup(
 
 
 def hsv_jitter(img: np.ndarray, hgain: float, sgain: float, vgain: float, rng: np.random.Generator) -> np.ndarray:
-    """Random hue, saturation and value gains applied through 256-entry lookup tables (fast)."""
+    """Random hue shift and saturation and value gains, through one 256-entry lookup table (fast).
+
+    As the reference trainer does it since Ultralytics 8.3.79: the hue is shifted by up to
+    ``hgain`` of the hue circle (a gain would barely move red hues near 0), saturation and value
+    are multiplied by ``1 +- sgain`` and ``1 +- vgain``, and grey pixels (saturation 0) stay grey.
+    """
     if not (hgain or sgain or vgain):
         return img
-    gains = rng.uniform(-1, 1, 3) * np.array([hgain, sgain, vgain]) + 1
-    hue, sat, val = cv2.split(cv2.cvtColor(img, cv2.COLOR_RGB2HSV))
-    x = np.arange(256, dtype=np.float32)
-    lut_h = ((x * gains[0]) % 180).astype(np.uint8)  # OpenCV's 8-bit hue runs 0..179
-    lut_s = np.clip(x * gains[1], 0, 255).astype(np.uint8)
-    lut_v = np.clip(x * gains[2], 0, 255).astype(np.uint8)
-    hsv = cv2.merge((cv2.LUT(hue, lut_h), cv2.LUT(sat, lut_s), cv2.LUT(val, lut_v)))
-    return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB)
+    r = rng.uniform(-1, 1, 3) * np.array([hgain, sgain, vgain])
+    x = np.arange(256, dtype=np.float64)
+    lut_h = ((x + r[0] * 180) % 180).astype(np.uint8)  # OpenCV's 8-bit hue runs 0..179
+    lut_s = np.clip(x * (r[1] + 1), 0, 255).astype(np.uint8)
+    lut_v = np.clip(x * (r[2] + 1), 0, 255).astype(np.uint8)
+    lut_s[0] = 0
+    lut = np.stack((lut_h, lut_s, lut_v), -1).reshape(1, 256, 3)
+    return cv2.cvtColor(cv2.LUT(cv2.cvtColor(img, cv2.COLOR_RGB2HSV), lut), cv2.COLOR_HSV2RGB)
 
 
 def fliplr(img: np.ndarray, boxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -74,7 +74,9 @@ def predict_with_ids(
                 # NMS one image at a time: over a whole batch, which of several equal-score
                 # candidates survive the max_det cut depends on the other images of the batch,
                 # and the batch composition changes with the number of ranks.
-                det = postprocess(preds[i:i + 1], eval_cfg.conf, eval_cfg.iou, eval_cfg.max_det)[0]
+                # multi-label: every class above conf of an anchor is a candidate, as the reference
+                # trainers' mAP protocol (YOLOv9 val.py, Ultralytics) has it.
+                det = postprocess(preds[i:i + 1], eval_cfg.conf, eval_cfg.iou, eval_cfg.max_det, multi_label=True)[0]
                 det[:, :4] = scale_boxes(det[:, :4], meta["ratio"], meta["pad"], meta["orig_shape"])
                 detections += detections_to_coco(det, meta["image_id"])
                 seen.append(int(meta["image_id"]))
