@@ -32,6 +32,10 @@ REFERENCE = {
     "gelan-c": (25.5e6, 103.5, 25.29e6, 102.1),
     "yolov9-t": (3.72e6, 16.5, None, None),
     "yolov9-s": (9.81e6, 39.9, None, None),
+    # Ultralytics' own count (8.4.190, get_num_params / get_flops) of yolov9{t,s,c}.yaml, training and fused
+    "gelan-t-detect": (2.1287e6, 8.48, 2.094e6, 8.23),
+    "gelan-s-detect": (7.3184e6, 27.55, 7.198e6, 26.9),
+    "gelan-c-detect": (25.591e6, 104.01, 25.381e6, 102.65),
 }
 
 

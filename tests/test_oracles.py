@@ -338,3 +338,42 @@ def test_hsv_jitter_matches_the_reference(seed: int) -> None:
     np.random.seed(seed)
     ref = RandomHSV(0.015, 0.7, 0.4).apply_image({"img": np.ascontiguousarray(img[..., ::-1])})["img"][..., ::-1]
     assert np.array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("size", ["t", "s"])
+def test_detect_variants_compute_what_ultralytics_yolov9_computes(size: str) -> None:
+    """gelan-{t,s}-detect with Ultralytics' yolov9{t,s}.yaml weights copied in, in order: the same outputs."""
+    from ultralytics.nn.tasks import DetectionModel
+
+    from detscale.model import build_model
+
+    torch.manual_seed(0)
+    ref = DetectionModel(f"yolov9{size}.yaml", nc=NC, verbose=False)
+    ours = build_model(f"gelan-{size}-detect", NC)
+    with torch.no_grad():
+        for m in ref.modules():  # non-trivial statistics, so that no layer is an identity
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    ref_state = {k: v for k, v in ref.state_dict().items() if ".dfl." not in k}
+    our_state = {k: v for k, v in ours.state_dict().items() if ".dfl." not in k}
+    assert [tuple(v.shape) for v in ref_state.values()] == [tuple(v.shape) for v in our_state.values()]
+    ours.load_state_dict(dict(zip(our_state, ref_state.values(), strict=True)), strict=False)
+    x = torch.rand(2, 3, 128, 128)
+    ref.eval()
+    ours.eval()
+    with torch.no_grad():
+        ref_out = ref(x)[0]  # [B, 4 + nc, A]: boxes xywh, class probabilities
+        our_out = ours(x)  # [B, 4 + nc, A]: boxes xyxy, class probabilities
+        ref_xyxy = torch.cat((ref_out[:, :2] - ref_out[:, 2:4] / 2, ref_out[:, :2] + ref_out[:, 2:4] / 2), 1)
+        assert torch.allclose(our_out[:, :4], ref_xyxy, atol=1e-3)
+        assert torch.allclose(our_out[:, 4:], ref_out[:, 4:], atol=1e-5)
+        ref.train()
+        ours.train()
+        for m in list(ref.modules()) + list(ours.modules()):
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()  # running statistics: a deterministic comparison of the training-mode maps
+        ref_train, our_maps = ref(x), ours(x)
+    flat = torch.cat([m.view(2, 4 * REG_MAX + NC, -1) for m in our_maps], 2)
+    assert torch.allclose(flat[:, : 4 * REG_MAX], ref_train["boxes"], atol=1e-4)
+    assert torch.allclose(flat[:, 4 * REG_MAX:], ref_train["scores"], atol=1e-4)

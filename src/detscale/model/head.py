@@ -20,18 +20,25 @@ class DDetect(nn.Module):
 
     Training-mode forward returns the raw per-level maps ``[B, 4*reg_max + nc, H, W]``;
     :meth:`decode` turns them into ``[B, 4 + nc, A]`` (xyxy in input pixels, sigmoid scores).
+
+    ``box_groups=4`` is YOLOv9's DDetect: after the first 3x3 conv, each box side is predicted by
+    its own quarter of the channels, and the class branch is ``max(c, min(2 nc, 128))`` wide.
+    ``box_groups=1`` is Ultralytics' Detect head (its ``yolov9t.yaml`` etc.): full convolutions
+    (~31k more parameters per level at T size, and in short runs a much faster-learning box
+    branch, docs/parity.md) and a class branch ``max(c, min(nc, 100))`` wide.
     """
 
     def __init__(self, nc: int, channels: tuple[int, ...], strides: tuple[int, ...] = (8, 16, 32),
-                 reg_max: int = 16) -> None:
+                 reg_max: int = 16, box_groups: int = 4) -> None:
         super().__init__()
         self.nc, self.reg_max = nc, reg_max
         self.no = nc + 4 * reg_max
         self.strides = tuple(strides)
         c2 = _round_up(max(channels[0] // 4, 4 * reg_max, 16), 4)
-        c3 = max(channels[0], min(2 * nc, 128))
+        c3 = max(channels[0], min(2 * nc, 128) if box_groups > 1 else min(nc, 100))
+        g = box_groups
         self.box = nn.ModuleList(
-            nn.Sequential(Conv(x, c2, 3), Conv(c2, c2, 3, g=4), nn.Conv2d(c2, 4 * reg_max, 1, groups=4))
+            nn.Sequential(Conv(x, c2, 3), Conv(c2, c2, 3, g=g), nn.Conv2d(c2, 4 * reg_max, 1, groups=g))
             for x in channels)
         self.cls = nn.ModuleList(
             nn.Sequential(Conv(x, c3, 3), Conv(c3, c3, 3), nn.Conv2d(c3, nc, 1)) for x in channels)

@@ -7,6 +7,10 @@ Layer widths follow the published configurations (``shared/docs/yolov9-architect
 * ``gelan-c``: RepNCSPELAN4 at P2, ADown, widths 256/512/512, 1 bottleneck per RepNCSP.
 * ``yolov9-t`` / ``yolov9-s``: the GELAN of the same size plus the auxiliary (PGI) branch from the
   backbone and a second DDetect head on it (DualDDetect); the branch exists for training only.
+* ``gelan-{t,s,c}-detect``: the same GELAN with Ultralytics' Detect head instead of YOLOv9's
+  DDetect (ungrouped box branch, class branch ``max(c, min(nc, 100))`` wide): the architecture of
+  Ultralytics' ``yolov9{t,s,c}.yaml``, layer for layer (tests/test_oracles.py). Its ``yolov9m.yaml``
+  departs from the paper's widths (184 channels in layer 16), so there is no ``gelan-m-detect``.
 
 The layer numbers in comments are those of the reference tables.
 """
@@ -76,14 +80,17 @@ _C = GelanSpec(
     head_downs=(256, 512), head=((512, 512, 256, 1), (256, 256, 128, 1), (512, 512, 256, 1), (512, 512, 256, 1)),
 )
 
-# name -> (GELAN widths, with the auxiliary PGI branch)
-MODELS: dict[str, tuple[GelanSpec, bool]] = {
-    "gelan-t": (_half(_S), False),
-    "gelan-s": (_S, False),
-    "gelan-m": (_M, False),
-    "gelan-c": (_C, False),
-    "yolov9-t": (_half(_S), True),
-    "yolov9-s": (_S, True),
+# name -> (widths, auxiliary PGI branch, box-branch groups of the head: 4 DDetect, 1 Detect)
+MODELS: dict[str, tuple[GelanSpec, bool, int]] = {
+    "gelan-t": (_half(_S), False, 4),
+    "gelan-s": (_S, False, 4),
+    "gelan-m": (_M, False, 4),
+    "gelan-c": (_C, False, 4),
+    "yolov9-t": (_half(_S), True, 4),
+    "yolov9-s": (_S, True, 4),
+    "gelan-t-detect": (_half(_S), False, 1),
+    "gelan-s-detect": (_S, False, 1),
+    "gelan-c-detect": (_C, False, 1),
 }
 MODEL_NAMES: tuple[str, ...] = tuple(MODELS)
 
@@ -166,14 +173,15 @@ class Detector(nn.Module):
     head only, and the auxiliary branch is not computed.
     """
 
-    def __init__(self, name: str, spec: GelanSpec, nc: int, aux: bool, reg_max: int = 16) -> None:
+    def __init__(self, name: str, spec: GelanSpec, nc: int, aux: bool, reg_max: int = 16,
+                 box_groups: int = 4) -> None:
         super().__init__()
         self.name, self.nc, self.reg_max = name, nc, reg_max
         self.register_buffer("stride", torch.tensor(STRIDES, dtype=torch.float32), persistent=False)
         self.backbone = Backbone(spec)
         self.top_down = TopDown(spec, self.backbone.out_channels)
         self.bottom_up = BottomUp(spec, self.top_down.out_channels)
-        self.head = DDetect(nc, self.bottom_up.out_channels, STRIDES, reg_max)
+        self.head = DDetect(nc, self.bottom_up.out_channels, STRIDES, reg_max, box_groups)
         self.aux_branch: TopDown | None = None
         self.aux_head: DDetect | None = None
         if aux:
@@ -200,8 +208,8 @@ def build_model(name: str, nc: int) -> Detector:
         raise ModelError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
     if not isinstance(nc, int) or nc < 1:
         raise ModelError(f"the number of classes must be a positive integer, got {nc!r} (model {name!r})")
-    spec, aux = MODELS[name]
-    return Detector(name, spec, nc, aux)
+    spec, aux, box_groups = MODELS[name]
+    return Detector(name, spec, nc, aux, box_groups=box_groups)
 
 
 def fuse_for_inference(model: nn.Module) -> nn.Module:
