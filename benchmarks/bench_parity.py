@@ -1,0 +1,380 @@
+"""Parity benchmark: does detscale learn like a mainstream YOLO trainer on the same data and recipe?
+
+Trains detscale (``gelan-t-detect``) and Ultralytics (``yolov9t.yaml``, from scratch) on the same
+``detscale synth`` dataset, with the same epochs, batch, image size, CPU threads and a recipe
+mapped key by key (:data:`RECIPE`, printed with ``--recipe``), then evaluates both with
+detscale's COCO evaluator against the same ground truth and prints one table per epoch budget:
+img/s, epoch time, mAP@0.5, mAP@0.5:0.95 and detscale / Ultralytics.
+
+Ultralytics is AGPL-3.0 and only this benchmark and the tests import it (the package never
+does): ``pip install -e '.[peers]'``. It runs offline (``YOLO_OFFLINE=1``, a model built from its
+yaml, no weights, no plots, so no font download).
+
+    .venv/bin/python benchmarks/bench_parity.py --epochs 10 20 30 --seeds 0 1 [--work DIR]
+
+Each (trainer, epochs, seed) is a separate run from scratch, so every budget has its own
+learning-rate schedule; runs already finished in ``--work`` are reused (delete the folder to
+start over). ``--data-seed`` draws another synthetic dataset ("data the project has not seen").
+Results go to ``WORK/summary.json`` and ``WORK/summary.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: The recipe, key by key: (what it is, Ultralytics argument and value, detscale config key and value).
+#: Ultralytics' ``optimizer=auto`` picks AdamW for runs under 10,000 iterations with
+#: lr0 = round(0.002 * 5 / (4 + nc), 6), momentum (beta1) 0.9, and sets warmup_bias_lr to 0.
+RECIPE = [
+    ("architecture", "yolov9t.yaml (GELAN-T, Detect head)", "grid.model: gelan-t-detect (the same, layer for layer)"),
+    ("optimiser", "optimizer=AdamW", "train.optimizer: adamw"),
+    ("learning rate", "lr0=0.002*5/(4+nc)", "train.lr0: same value"),
+    ("final lr fraction, linear schedule", "lrf=0.01, cos_lr=False", "train.lrf: 0.01, lr_schedule: linear"),
+    ("beta1", "momentum=0.9", "train.momentum: 0.9"),
+    ("weight decay at the nominal batch", "weight_decay=0.0005, nbs=64",
+     "train.weight_decay: 0.0005, nominal_batch: 64"),
+    ("warm-up", "warmup_epochs=3 (>= 100 iterations)", "train.warmup_epochs: 3"),
+    ("warm-up start lr of biases", "warmup_bias_lr=0 (auto: AdamW)", "train.warmup_bias_lr: 0"),
+    ("warm-up start momentum", "warmup_momentum=0.8 (SGD only)", "train.warmup_momentum: 0.8 (SGD only)"),
+    ("accumulation during warm-up", "1 rising to nbs/batch", "train.warmup_accumulate: ramp"),
+    ("loss gains", "box=7.5 cls=0.5 dfl=1.5", "train.box_gain/cls_gain/dfl_gain: 7.5/0.5/1.5"),
+    ("EMA", "decay 0.9999, tau 2000 (fixed)", "train.ema_decay: 0.9999, ema_tau: 2000"),
+    ("gradient clipping", "max_norm 10 (fixed)", "train.clip_grad_norm: 10"),
+    ("mosaic, closed for the last epochs", "mosaic=1.0, close_mosaic=10",
+     "augment.mosaic: 1.0, train.close_mosaic: 10"),
+    ("mixup", "mixup=0", "augment.mixup: 0"),
+    ("scale, translate", "scale=0.5, translate=0.1", "augment.scale: 0.5, translate: 0.1"),
+    ("HSV", "hsv_h=0.015 hsv_s=0.7 hsv_v=0.4", "augment.hsv_h/s/v: same"),
+    ("flips", "fliplr=0.5, flipud=0", "augment.fliplr: 0.5 (no vertical flip)"),
+    ("rotation, shear, perspective", "degrees=0 shear=0 perspective=0", "(none in detscale)"),
+    ("image cache", "cache=False (decode JPEGs)", "grid.cache: none"),
+    ("loader workers, CPU threads", "workers=W, torch threads T", "train.workers: W, detscale launch --threads T"),
+    ("evaluation", "val(save_json) conf 0.001, iou 0.7, max_det 300", "eval.conf/iou/max_det: same"),
+    ("evaluator", "detscale's COCO evaluator on both predictions.json", "same ground truth JSON"),
+]
+
+DETSCALE_CONFIG = """\
+dataset:
+  name: parity
+  data_yaml: {data_yaml}
+grid:
+  model: [{model}]
+  imgsz: [{imgsz}]
+  gpus: [1]
+  batch: [{batch}]
+  cache: [none]
+  precision: [fp32]
+  epochs: {epochs}
+  seed: {seed}
+train:
+  optimizer: adamw
+  lr0: {lr0}
+  lrf: 0.01
+  lr_schedule: linear
+  momentum: 0.9
+  weight_decay: 0.0005
+  nominal_batch: 64
+  warmup_epochs: 3
+  warmup_bias_lr: 0.0
+  warmup_momentum: 0.8
+  warmup_accumulate: ramp
+  box_gain: 7.5
+  cls_gain: 0.5
+  dfl_gain: 1.5
+  ema_decay: 0.9999
+  ema_tau: 2000
+  clip_grad_norm: 10.0
+  close_mosaic: {close_mosaic}
+  workers: {workers}
+  cpu_threads_per_rank: {threads}
+  timing_warmup_steps: 3
+augment:
+  hsv_h: 0.015
+  hsv_s: 0.7
+  hsv_v: 0.4
+  translate: 0.1
+  scale: 0.5
+  fliplr: 0.5
+  mosaic: 1.0
+  mixup: 0.0
+eval:
+  conf: 0.001
+  iou: 0.7
+  max_det: 300
+  batch: 32
+"""
+
+ULTRALYTICS_RUN = r"""
+import json, os, sys, time
+os.environ["YOLO_OFFLINE"] = "1"
+import torch
+torch.set_num_threads({threads})
+from ultralytics import YOLO
+model = YOLO("{arch}")
+epoch_times, marks = [], {{}}
+model.add_callback("on_train_epoch_start", lambda trainer: marks.update(t=time.perf_counter()))
+model.add_callback("on_train_epoch_end", lambda trainer: epoch_times.append(time.perf_counter() - marks["t"]))
+t0 = time.perf_counter()
+model.train(data="{data_yaml}", epochs={epochs}, imgsz={imgsz}, batch={batch}, device="cpu", workers={workers},
+            seed={seed}, deterministic=True, optimizer="auto", close_mosaic={close_mosaic}, cache=False, amp=False,
+            val=False, plots=False, project="{project}", name="train", exist_ok=True, verbose=False,
+            mosaic=1.0, mixup=0.0, scale=0.5, translate=0.1, fliplr=0.5, flipud=0.0, degrees=0.0, shear=0.0,
+            perspective=0.0, hsv_h=0.015, hsv_s=0.7, hsv_v=0.4, box=7.5, cls=0.5, dfl=1.5, nbs=64,
+            weight_decay=0.0005, warmup_epochs=3, lrf=0.01, cos_lr=False)
+train_s = time.perf_counter() - t0
+trainer = model.trainer
+weights = trainer.last
+val = YOLO(str(weights))
+val.val(data="{data_yaml}", imgsz={imgsz}, batch=32, device="cpu", conf=0.001, iou=0.7, max_det=300,
+        save_json=True, plots=False, project="{project}", name="val", exist_ok=True, verbose=False)
+json.dump({{"train_seconds": train_s, "weights": str(weights), "epoch_times": epoch_times,
+           "lr0": trainer.args.lr0, "optimizer": type(trainer.optimizer).__name__,
+           "params": sum(p.numel() for p in model.model.parameters())}}, open("{out}", "w"))
+"""
+
+
+def run(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> float:
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}); see {log}:\n{log.read_text()[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def make_dataset(work: Path, args: argparse.Namespace) -> Path:
+    data = work / f"data-{args.data_seed}"
+    if not (data / "data.yaml").is_file():
+        run([sys.executable, "-m", "detscale", "synth", "--out", str(data), "--seed", str(args.data_seed),
+             "--imgsz", str(args.imgsz), "--train", str(args.train), "--val", str(args.val),
+             "--objects", str(args.objects[0]), str(args.objects[1]),
+             "--object-size", str(args.object_size[0]), str(args.object_size[1])], work / f"synth-{args.data_seed}.log")
+    return data / "data.yaml"
+
+
+def ground_truth(data_yaml: Path, work: Path) -> Path:
+    from detscale.data.formats import load_spec
+    from detscale.metrics.coco import ensure_coco_gt
+
+    gt = data_yaml.parent / "coco_val.json"
+    ensure_coco_gt(load_spec(data_yaml, splits=("val",)), "val", gt)
+    return gt
+
+
+def variant_name(args: argparse.Namespace) -> str:
+    """The detscale variant's name: model, then the --tag of an ablation."""
+    return f"detscale-{args.model}" + (f"-{args.tag}" if args.tag else "")
+
+
+def override(config_text: str, settings: list[str]) -> str:
+    """The config with ``section.key=value`` settings (YAML values) applied: for ablations."""
+    import yaml
+
+    if not settings:
+        return config_text
+    cfg = yaml.safe_load(config_text)
+    for item in settings:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        if not name or section not in cfg:
+            raise SystemExit(f"--set {item!r}: expected SECTION.KEY=VALUE with a section of {sorted(cfg)}")
+        cfg[section][name] = yaml.safe_load(value)
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def steady_epoch_seconds(epoch_seconds: list[float]) -> float:
+    """Median training time of the epochs after the first (loader start-up), validation excluded."""
+    return statistics.median(epoch_seconds[1:] if len(epoch_seconds) > 1 else epoch_seconds)
+
+
+def images_per_epoch(args: argparse.Namespace) -> int:
+    return (args.train // args.batch) * args.batch  # both trainers drop the last partial batch
+
+
+def lr0_auto(nc: int) -> float:
+    """Ultralytics' optimizer=auto learning rate for AdamW."""
+    return round(0.002 * 5 / (4 + nc), 6)
+
+
+def train_detscale(data_yaml: Path, gt: Path, epochs: int, seed: int, work: Path, args: argparse.Namespace,
+                   nc: int) -> dict:
+    run_dir = work / variant_name(args) / f"e{epochs}_s{seed}"
+    result = run_dir / "parity.json"
+    if result.is_file():
+        return json.loads(result.read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = run_dir / "config.yaml"
+    text = DETSCALE_CONFIG.format(data_yaml=data_yaml, model=args.model, imgsz=args.imgsz, batch=args.batch,
+                                  epochs=epochs, seed=seed, lr0=lr0_auto(nc), close_mosaic=args.close_mosaic,
+                                  workers=args.workers, threads=args.threads)
+    cfg.write_text(override(text, args.set))
+    run_id = f"{args.model}_{args.imgsz}_g1_b{args.batch}_none_fp32_r0"
+    out = run_dir / run_id
+    train_s = run([sys.executable, "-m", "detscale", "launch", "--gpus", "1", "--threads", str(args.threads), "--",
+                   "train", "--config", str(cfg), "--run", run_id, "--out", str(out), "--data", str(data_yaml)],
+                  run_dir / "train.log")
+    run([sys.executable, "-m", "detscale", "evaluate", "--weights", str(out / "weights" / "last.pt"), "--config",
+         str(cfg), "--run", run_id, "--out", str(out), "--data", str(data_yaml), "--gt", str(gt)],
+        run_dir / "eval.log")
+    timing = json.loads((out / "timing.json").read_text())
+    ev = json.loads((out / "eval.json").read_text())
+    epoch_s = steady_epoch_seconds(timing["epoch_seconds"])
+    record = {"trainer": variant_name(args), "model": args.model, "set": args.set,
+              "epochs": epochs, "seed": seed,
+              "images_per_s": images_per_epoch(args) / epoch_s, "epoch_seconds": epoch_s,
+              "steady_images_per_s": timing["images_per_s"],
+              "train_wall_s": train_s, "map50": ev["map50"], "map50_95": ev["map50_95"]}
+    result.write_text(json.dumps(record, indent=2))
+    return record
+
+
+def ultralytics_predictions_to_coco(pred_json: Path, gt: Path, out: Path) -> Path:
+    """Map Ultralytics' save_json output (image_id = file stem, category_id = class + 1) onto our ground truth."""
+    gt_data = json.loads(gt.read_text())
+    by_stem = {Path(img["file_name"]).stem: img["id"] for img in gt_data["images"]}
+    cat_ids = sorted(c["id"] for c in gt_data["categories"])  # our ids, in class order
+    mapped = []
+    for det in json.loads(pred_json.read_text()):
+        stem = Path(det["file_name"]).stem if "file_name" in det else str(det["image_id"])
+        if stem not in by_stem:
+            raise SystemExit(f"Ultralytics predicted image {stem!r}, which the ground truth {gt} does not hold")
+        mapped.append({"image_id": by_stem[stem], "category_id": cat_ids[int(det["category_id"]) - 1],
+                       "bbox": det["bbox"], "score": det["score"]})
+    out.write_text(json.dumps(mapped))
+    return out
+
+
+def absolute_data_yaml(data_yaml: Path) -> Path:
+    """The same dataset with an absolute ``path:`` (Ultralytics resolves a relative one elsewhere)."""
+    import yaml
+
+    spec = yaml.safe_load(data_yaml.read_text())
+    spec["path"] = str(data_yaml.parent.resolve())
+    out = data_yaml.with_name("data-ultralytics.yaml")
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
+def train_ultralytics(data_yaml: Path, gt: Path, epochs: int, seed: int, work: Path, args: argparse.Namespace,
+                      nc: int) -> dict:
+    from detscale.metrics.coco import evaluate_files
+
+    run_dir = work / "ultralytics" / f"e{epochs}_s{seed}"
+    result = run_dir / "parity.json"
+    if result.is_file():
+        return json.loads(result.read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data_yaml = absolute_data_yaml(data_yaml)
+    script = run_dir / "run.py"
+    info = run_dir / "info.json"
+    script.write_text(ULTRALYTICS_RUN.format(arch=args.ultralytics_model, data_yaml=data_yaml, epochs=epochs,
+                                             imgsz=args.imgsz, batch=args.batch, workers=args.workers, seed=seed,
+                                             close_mosaic=args.close_mosaic, project=run_dir, out=info,
+                                             threads=args.threads))
+    env = os.environ | {"YOLO_OFFLINE": "1", "YOLO_CONFIG_DIR": str(work / "ultralytics-config"),
+                        "OMP_NUM_THREADS": str(args.threads)}
+    run([sys.executable, str(script)], run_dir / "train.log", env=env, cwd=run_dir)
+    meta = json.loads(info.read_text())
+    preds = ultralytics_predictions_to_coco(run_dir / "val" / "predictions.json", gt, run_dir / "predictions.json")
+    ev = evaluate_files(gt, preds)
+    epoch_s = steady_epoch_seconds(meta["epoch_times"])
+    record = {"trainer": "ultralytics", "model": args.ultralytics_model, "epochs": epochs, "seed": seed,
+              "images_per_s": images_per_epoch(args) / epoch_s, "epoch_seconds": epoch_s,
+              "train_wall_s": meta["train_seconds"], "map50": ev["map50"], "map50_95": ev["map50_95"],
+              "lr0": meta["lr0"], "optimizer": meta["optimizer"], "params": meta["params"]}
+    result.write_text(json.dumps(record, indent=2))
+    return record
+
+
+def summarise(records: list[dict], args: argparse.Namespace) -> str:
+    lines = [f"detscale {args.model} vs Ultralytics {args.ultralytics_model}: synthetic data (seed {args.data_seed}), "
+             f"{args.train} train / {args.val} val images at {args.imgsz} px, batch {args.batch}, "
+             f"{args.threads} CPU thread(s), {args.workers} loader worker(s); img/s = images per epoch / median "
+             "training time of epochs 2+ (validation excluded), the same for both", "",
+             "| epochs | seed | trainer | img/s | epoch s | mAP@0.5 | mAP@0.5:0.95 |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: (r["epochs"], r["seed"], r["trainer"])):
+        lines.append(f"| {r['epochs']} | {r['seed']} | {r['trainer']} | {r['images_per_s']:.1f} | "
+                     f"{r['epoch_seconds']:.1f} | {r['map50']:.3f} | {r['map50_95']:.3f} |")
+    lines += ["", "| epochs | trainer | seeds | mAP@0.5:0.95 ratio to Ultralytics, per seed | mean ratio | "
+                  "img/s ratio |", "|---|---|---|---|---|---|"]
+    variants = sorted({r["trainer"] for r in records if r["trainer"] != "ultralytics"})
+    ref = {(r["epochs"], r["seed"]): r for r in records if r["trainer"] == "ultralytics"}
+    for epochs in sorted({r["epochs"] for r in records}):
+        for variant in variants:
+            pairs = [(r, ref[(epochs, r["seed"])]) for r in sorted(records, key=lambda r: r["seed"])
+                     if r["trainer"] == variant and r["epochs"] == epochs and (epochs, r["seed"]) in ref]
+            if not pairs:
+                continue
+            ratios = [d["map50_95"] / u["map50_95"] if u["map50_95"] else float("nan") for d, u in pairs]
+            speed = statistics.mean(d["images_per_s"] / u["images_per_s"] for d, u in pairs)
+            lines.append(f"| {epochs} | {variant} | {len(pairs)} | {', '.join(f'{x:.2f}' for x in ratios)} | "
+                         f"{statistics.mean(ratios):.2f} | {speed:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, default=Path("results/bench_parity"))
+    p.add_argument("--epochs", type=int, nargs="+", default=[10, 20, 30], help="epoch budgets (one run each)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="training seeds")
+    p.add_argument("--trainers", nargs="+", default=["detscale", "ultralytics"], choices=["detscale", "ultralytics"])
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic dataset")
+    p.add_argument("--imgsz", type=int, default=256)
+    p.add_argument("--train", type=int, default=400)
+    p.add_argument("--val", type=int, default=100)
+    p.add_argument("--objects", type=int, nargs=2, default=(1, 8))
+    p.add_argument("--object-size", type=float, nargs=2, default=(0.05, 0.5))
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--close-mosaic", type=int, default=10)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default="gelan-t-detect",
+                   help="detscale model (default gelan-t-detect: the architecture of yolov9t.yaml, layer for layer)")
+    p.add_argument("--ultralytics-model", default="yolov9t.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a detscale config key (repeatable; for ablations, with --tag)")
+    p.add_argument("--tag", default="", help="name of an ablation: its runs go to WORK/d*/detscale-MODEL-TAG")
+    p.add_argument("--recipe", action="store_true", help="print the recipe mapping and exit")
+    args = p.parse_args()
+    if args.recipe:
+        print("| what | Ultralytics | detscale |\n|---|---|---|")
+        for row in RECIPE:
+            print("| " + " | ".join(row) + " |")
+        return 0
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    data_yaml = make_dataset(work, args)
+    gt = ground_truth(data_yaml, work)
+    from detscale.data.formats import load_spec
+
+    nc = load_spec(data_yaml, splits=()).nc
+    records = []
+    trainers = {"detscale": train_detscale, "ultralytics": train_ultralytics}
+    for epochs in args.epochs:
+        for seed in args.seeds:
+            for name in args.trainers:
+                t0 = time.perf_counter()
+                record = trainers[name](data_yaml, gt, epochs, seed, work / f"d{args.data_seed}", args, nc)
+                records.append(record)
+                print(f"{name} {epochs} epochs seed {seed}: mAP@0.5 {record['map50']:.3f} mAP@0.5:0.95 "
+                      f"{record['map50_95']:.3f}, {record['images_per_s']:.1f} img/s "
+                      f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+    # every finished run of this dataset, earlier invocations (other variants) included
+    records = [json.loads(f.read_text()) for f in sorted((work / f"d{args.data_seed}").glob("*/e*_s*/parity.json"))]
+    text = summarise(records, args)
+    (work / "summary.json").write_text(json.dumps({"settings": vars(args) | {"work": str(work)}, "records": records},
+                                                  indent=2, default=str))
+    (work / "summary.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
