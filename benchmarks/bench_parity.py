@@ -72,7 +72,7 @@ grid:
   cache: [none]
   precision: [fp32]
   epochs: {epochs}
-  seed: {seed}
+  seeds: [{seed}]
 train:
   optimizer: adamw
   lr0: {lr0}
@@ -215,7 +215,7 @@ def train_detscale(data_yaml: Path, gt: Path, epochs: int, seed: int, work: Path
                                   epochs=epochs, seed=seed, lr0=lr0_auto(nc), close_mosaic=args.close_mosaic,
                                   workers=args.workers, threads=args.threads)
     cfg.write_text(override(text, args.set))
-    run_id = f"{args.model}_{args.imgsz}_g1_b{args.batch}_none_fp32_r0"
+    run_id = f"{args.model}_{args.imgsz}_g1_b{args.batch}_none_fp32_s{seed}_r0"
     out = run_dir / run_id
     train_s = run([sys.executable, "-m", "detscale", "launch", "--gpus", "1", "--threads", str(args.threads), "--",
                    "train", "--config", str(cfg), "--run", run_id, "--out", str(out), "--data", str(data_yaml)],

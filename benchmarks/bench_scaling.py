@@ -77,7 +77,7 @@ def main() -> int:
     # Alternate 1, 2, 1, 2, ...: a load change from other processes then hits both alike.
     for _ in range(args.repeats):
         for ranks in (1, 2):
-            run = f"{args.model}_{args.imgsz}_g{ranks}_b{args.batch}_disk_fp32_r0"
+            run = f"{args.model}_{args.imgsz}_g{ranks}_b{args.batch}_disk_fp32_s0_r0"
             out = work / "runs" / run
             shutil.rmtree(out, ignore_errors=True)
             t0 = time.perf_counter()

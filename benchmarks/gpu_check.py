@@ -444,7 +444,7 @@ def write_config(path: Path, **values: Any) -> Path:
 
 
 def run_id(model: str, imgsz: int, gpus: int, batch: int, cache: str, precision: str) -> str:
-    return f"{model}_{imgsz}_g{gpus}_b{batch}_{cache}_{precision}_r0"
+    return f"{model}_{imgsz}_g{gpus}_b{batch}_{cache}_{precision}_s0_r0"
 
 
 def check_contract(run: Path, want_device: str) -> list[str]:
@@ -497,8 +497,10 @@ def section_launch(kit: Kit, sizes: Sizes) -> dict[str, Any]:
     dev = device()
     paths = data_paths(kit.work)
     precision = "bf16" if dev.type == "cuda" else "fp32"
+    # two batches per optimiser step: accumulation on the GPU path too (64 images at full size)
     cfg = write_config(kit.work / "launch" / "config.yaml", data_yaml=paths.data_yaml, model=sizes.launch_model,
-                       imgsz=sizes.imgsz, batch=sizes.launch_batch, precision=precision, workers=sizes.workers)
+                       imgsz=sizes.imgsz, batch=sizes.launch_batch, precision=precision, workers=sizes.workers,
+                       nominal=2 * sizes.launch_batch)
     rid = run_id(sizes.launch_model, sizes.imgsz, 1, sizes.launch_batch, "disk", precision)
     run = kit.work / "launch" / rid
     shutil.rmtree(run, ignore_errors=True)
@@ -583,7 +585,7 @@ def _group_worker(rank: int, world: int, backend: str, store: str, cfg_path: str
             imgs, targets, _ = next(iter(loader))
             items = train_step(parts.model, parts.loss_fn, parts.scaler, to_input(imgs, info.device, True), targets,
                                1, parts.amp_dtype)
-            optimizer_step(parts, cfg.train.clip_grad_norm, sync_buffers=False)
+            optimizer_step(parts, cfg.train.clip_grad_norm)
             wrapped_step = bool(torch.isfinite(items).all())
         state = {f"model.{k}": v.detach().cpu() for k, v in parts.raw.state_dict().items()}
         state |= {f"ema.{k}": v.detach().cpu() for k, v in parts.ema.state_dict().items()}
@@ -722,7 +724,7 @@ def bare_epoch(parts: Any, loader: Any, epoch: int, sem: Any, tcfg: Any, dev: An
         items = train_step(parts.model, parts.loss_fn, parts.scaler, to_input(imgs, dev, sem.channels_last),
                            targets, sem.world_size, parts.amp_dtype)
         if (i + 1) % sem.accumulate == 0 or i == nb - 1:
-            optimizer_step(parts, tcfg.clip_grad_norm, sync_buffers=False)
+            optimizer_step(parts, tcfg.clip_grad_norm)
         loss_sum += items
         if i >= warmup_steps:
             images += len(imgs)

@@ -118,8 +118,8 @@ def test_not_a_mapping(tmp_path):
 def test_run_lookup_and_ids():
     cfg = config.from_dict(base(gpus=[1, 2], batch=[8], repeats=2, cache=["ram"]))
     ids = [p.run_id for p in cfg.runs()]
-    assert "gelan-t_640_g2_b8_ram_fp32_r1" in ids and len(ids) == 4
-    point = cfg.run("gelan-t_640_g2_b8_ram_fp32_r1")
+    assert "gelan-t_640_g2_b8_ram_fp32_s0_r1" in ids and len(ids) == 4
+    point = cfg.run("gelan-t_640_g2_b8_ram_fp32_s0_r1")
     assert (point.batch_per_rank, point.global_batch, point.group) == (8, 16, "gelan-t_640_b8_ram_fp32")
     with pytest.raises(config.ConfigError, match="not in the grid"):
         cfg.run("nope")
@@ -128,7 +128,7 @@ def test_run_lookup_and_ids():
 def test_strong_scaling_divides_the_global_batch():
     cfg = config.from_dict(base(gpus=[1, 4], batch=[32], scaling="strong"))
     four = [p for p in cfg.runs() if p.gpus == 4][0]
-    assert (four.batch_per_rank, four.global_batch, four.run_id) == (8, 32, "gelan-t_640_g4_b32s_disk_fp32_r0")
+    assert (four.batch_per_rank, four.global_batch, four.run_id) == (8, 32, "gelan-t_640_g4_b32s_disk_fp32_s0_r0")
 
 
 def test_save_round_trips(tmp_path):

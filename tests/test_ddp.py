@@ -1,10 +1,14 @@
 """Two gloo ranks on the CPU against one: the distributed semantics of the trainer.
 
-(a) Equivalence: with the same data order and global batch, 2 ranks x batch b and 1 rank x batch
-    2b reach the same weights after 5 optimiser steps (SyncBatchNorm on, loss normalised by the
+(a) Equivalence, SyncBatchNorm on: with the same data order and global batch, 2 ranks x batch b
+    and 1 rank x batch 2b reach the same weights after 5 optimiser steps (loss normalised by the
     global target count, gradient accumulation and warm-up included).
-(b) After a full run every rank holds identical weights, buffers and EMA (SyncBatchNorm off:
-    the trainer averages BatchNorm statistics over ranks at every optimiser step).
+(a') Equivalence, SyncBatchNorm off (the scaling comparison): 2 ranks x batch b and 1 rank x
+    batch b accumulating 2 end with the same weights, EMA and BatchNorm buffers (float64, 5
+    optimiser steps, augmentation on): rank r trains the r-th slice of every global batch, each
+    rank normalises its loss by its own targets, and BatchNorm statistics are merged as one
+    process updates them batch after batch.
+(b) After a full run every rank holds identical weights, buffers and EMA (SyncBatchNorm off).
 (c) Only rank 0 writes into the run folder (rank 1 writes its own log file and nothing else).
 
 Ranks are started with ``torch.multiprocessing.spawn`` and joined through a ``FileStore``.
@@ -53,6 +57,28 @@ train:
 augment: {{hsv_h: 0, hsv_s: 0, hsv_v: 0, translate: 0, scale: 0, fliplr: 0, mosaic: 0, mixup: 0}}
 """
 
+# 2 ranks x 4 images vs 1 rank x 4 images accumulating 2 (nominal 8): 40 images = 5 optimiser steps.
+EQUIV_LOCAL_CONFIG = """\
+dataset:
+  name: tiny
+  data_yaml: {data_yaml}
+grid:
+  model: [gelan-t]
+  imgsz: [64]
+  gpus: [1, 2]
+  batch: [4]
+  scaling: weak
+  cache: [none]
+  epochs: 1
+train:
+  lr0: 0.0005
+  warmup_bias_lr: 0.0005
+  nominal_batch: 8
+  workers: 0
+  close_mosaic: 0
+  channels_last: true
+"""
+
 RUN_CONFIG = """\
 dataset:
   name: tiny
@@ -90,7 +116,12 @@ def _join(rank: int, world: int, store: str) -> None:
                                  timeout=datetime.timedelta(seconds=120))
 
 
-def _equivalence_worker(rank: int, world: int, store: str, cfg_path: str, data_yaml: str, out: str) -> None:
+def _equivalence_worker(rank: int, world: int, store: str, cfg_path: str, data_yaml: str, out: str,
+                        step: tuple[int, int, int]) -> None:
+    """One epoch of the real loop on this rank in float64; every rank saves its final state to ``out.rankR``.
+
+    ``step`` = the expected (global batch, accumulate, batches per epoch) of this world size.
+    """
     import detscale.engine.trainer as trainer
     from detscale import config, dist
     from detscale.engine.semantics import derive_semantics
@@ -107,14 +138,13 @@ def _equivalence_worker(rank: int, world: int, store: str, cfg_path: str, data_y
         cfg = config.load(cfg_path)
         point = next(p for p in cfg.runs() if p.gpus == world)
         sem = derive_semantics(cfg, point, world, "cpu")
-        assert (sem.global_batch, sem.accumulate) == (4, 2)
         parts = build_parts(point, 6, sem, cfg.train, info)
         loader, _ = build_loaders(point, cfg, Path(data_yaml), None, sem, info, with_val=False)
-        assert len(loader) == 10  # 40 images / global batch 4 = 10 batches = 5 optimiser steps
+        assert (sem.global_batch, sem.accumulate, len(loader)) == step
         result = train_one_epoch(parts, loader, 0, Progress(), sem, cfg.train, info.device, RankTiming(0), StopFlag())
         assert result.complete and parts.ema.updates == 5
-        if rank == 0:
-            torch.save({"model": parts.raw.state_dict(), "ema": parts.ema.state_dict(), "losses": result.losses}, out)
+        state = {"model": parts.raw.state_dict(), "ema": parts.ema.state_dict(), "losses": result.losses}
+        torch.save(state, f"{out}.rank{rank}")
     finally:
         dist.cleanup()
 
@@ -134,10 +164,11 @@ def _max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: 
 def test_two_ranks_equal_one_rank_with_the_same_global_batch(tmp_path: Path, data_yaml: Path) -> None:
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(EQUIV_CONFIG.format(data_yaml=data_yaml))
+    # global batch 4 either way, 2 batches per step: 40 images = 10 batches = 5 optimiser steps
     for world in (1, 2):
         mp.spawn(_equivalence_worker, args=(world, str(tmp_path / f"store{world}"), str(cfg), str(data_yaml),
-                                            str(tmp_path / f"w{world}.pt")), nprocs=world, join=True)
-    one, two = (torch.load(tmp_path / f"w{w}.pt", weights_only=False) for w in (1, 2))
+                                            str(tmp_path / f"w{world}.pt"), (4, 2, 10)), nprocs=world, join=True)
+    one, two = (torch.load(tmp_path / f"w{w}.pt.rank0", weights_only=False) for w in (1, 2))
     from detscale.model import build_model
 
     torch.manual_seed(0)
@@ -153,6 +184,34 @@ def test_two_ranks_equal_one_rank_with_the_same_global_batch(tmp_path: Path, dat
     torch.manual_seed(0)
     init = model.double().state_dict()
     assert _max_abs_diff(init, one["model"], params) > 1e-3
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank_accumulating_two_batches(tmp_path: Path, data_yaml: Path) -> None:
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(EQUIV_LOCAL_CONFIG.format(data_yaml=data_yaml))
+    # 1 rank: global batch 4, accumulating 2 (10 batches); 2 ranks: global batch 8, no accumulation (5 batches)
+    for world, step in ((1, (4, 2, 10)), (2, (8, 1, 5))):
+        mp.spawn(_equivalence_worker, args=(world, str(tmp_path / f"store{world}"), str(cfg), str(data_yaml),
+                                            str(tmp_path / f"w{world}.pt"), step), nprocs=world, join=True)
+    one = torch.load(tmp_path / "w1.pt.rank0", weights_only=False)
+    two, two_b = (torch.load(tmp_path / f"w2.pt.rank{r}", weights_only=False) for r in (0, 1))
+    for key in ("model", "ema"):
+        assert two[key].keys() == one[key].keys()
+        for name, value in two[key].items():
+            assert torch.equal(value, two_b[key][name]), f"{key}.{name} differs between the ranks"
+            if value.is_floating_point():
+                scale = max(1.0, float(one[key][name].abs().max()))
+                assert float((value - one[key][name]).abs().max()) <= 1e-6 * scale, f"{key}.{name}"
+            else:  # BatchNorm's num_batches_tracked: 10 batches either way
+                assert torch.equal(value, one[key][name]), f"{key}.{name}"
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-9)
+    # the weights moved: not a comparison of two untouched initialisations
+    torch.manual_seed(0)
+    from detscale.model import build_model
+
+    init = build_model("gelan-t", 6).double().state_dict()
+    assert max(float((init[k] - one["model"][k]).abs().max()) for k in init if init[k].is_floating_point()) > 1e-3
 
 
 def _is_write(mode: Any, flags: Any) -> bool:
@@ -186,7 +245,7 @@ def _run_worker(rank: int, world: int, store: str, cfg_path: str, data_yaml: str
         return original(parts, progress, *args, **kwargs)
 
     trainer.checkpoint_dict = spy
-    code = trainer.train(trainer.TrainRequest(Path(cfg_path), "gelan-t_64_g2_b2_none_fp32_r0", Path(out),
+    code = trainer.train(trainer.TrainRequest(Path(cfg_path), "gelan-t_64_g2_b2_none_fp32_s0_r0", Path(out),
                                               data_yaml=Path(data_yaml)))
     Path(f"{probe}/writes{rank}.json").write_text(json.dumps({"code": code, "writes": writes}))
 

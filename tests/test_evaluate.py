@@ -69,7 +69,7 @@ def setup(tmp_path_factory):
     (root / "config.yaml").write_text(yaml.safe_dump(cfg))
     weights = save_checkpoint(noisy_model(), root / "run" / "weights" / "last.pt")
     return SimpleNamespace(root=root, data=root / "ds" / "data.yaml", config=root / "config.yaml",
-                           weights=weights, run="gelan-t_128_g1_b4_disk_fp32_r0", gt=root / "coco_val.json")
+                           weights=weights, run="gelan-t_128_g1_b4_disk_fp32_s0_r0", gt=root / "coco_val.json")
 
 
 def evaluate_cmd(s, out: Path, weights: Path | None = None, ranks: int = 1) -> list[str]:
@@ -239,12 +239,12 @@ def test_checkpoint_written_by_train_evaluates(tmp_path):
         "dataset": {"name": "evtrain", "data_yaml": str(tmp_path / "ds" / "data.yaml")},
         "grid": {"model": ["gelan-t"], "imgsz": [IMGSZ], "gpus": [1], "batch": [8], "cache": ["none"], "epochs": 2},
         "train": {"workers": 0, "cpu_threads_per_rank": 1, "warmup_epochs": 0, "close_mosaic": 1,
-                  "timing_warmup_steps": 1, "timeout_s": 120},
+                  "timing_warmup_steps": 1, "timeout_s": 120, "nominal_batch": 8},
         "eval": {"batch": 2, "conf": 0.0001},
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     s = SimpleNamespace(root=tmp_path, data=tmp_path / "ds" / "data.yaml", config=tmp_path / "config.yaml",
-                        weights=tmp_path / "run" / "weights" / "last.pt", run="gelan-t_128_g1_b8_none_fp32_r0",
+                        weights=tmp_path / "run" / "weights" / "last.pt", run="gelan-t_128_g1_b8_none_fp32_s0_r0",
                         gt=tmp_path / "coco_val.json")
     train = [sys.executable, "-m", "detscale", "train", "--config", str(s.config), "--run", s.run,
              "--out", str(tmp_path / "run"), "--data", str(s.data)]

@@ -35,7 +35,36 @@ def test_default_config_runs():
     ids = [p.run_id for p in points]
     assert len(set(ids)) == len(ids)
     one = next(p for p in points if p.gpus == 1)
-    assert one.run_id == f"{one.model}_{one.imgsz}_g1_b{one.batch}_{one.cache}_{one.precision}_r0"
+    assert one.run_id == f"{one.model}_{one.imgsz}_g1_b{one.batch}_{one.cache}_{one.precision}_s{one.seed}_r0"
+
+
+def test_every_point_trains_once_per_seed_and_run_ids_carry_it():
+    cfg = make(gpus=[1, 2], seeds=[3, 0, 7], repeats=2)
+    points = cfg.runs()
+    assert len(points) == 2 * 3 * 2
+    assert [(p.gpus, p.seed, p.repeat) for p in points][:4] == [(1, 3, 0), (1, 3, 1), (1, 0, 0), (1, 0, 1)]
+    ids = {p.run_id for p in points}
+    assert len(ids) == len(points) and "gelan-t_64_g2_b8_disk_fp32_s7_r1" in ids
+    assert {p.group for p in points} == {"gelan-t_64_b8_disk_fp32"}  # seeds pair up within one group
+
+
+@pytest.mark.parametrize(("seeds", "message"), [
+    ([], "'grid.seeds': got []; must have at least 1 item(s)"),
+    ([1, 1], "'grid.seeds': got [1, 1]; must not repeat a value"),
+    ([0, -2], "'grid.seeds[1]': got -2; must be >= 0"),
+    ("0", "'grid.seeds': got '0'; must be of type array"),
+])
+def test_bad_seeds_are_config_errors_naming_the_key(seeds, message):
+    with pytest.raises(dsconfig.ConfigError) as err:
+        make(seeds=seeds)
+    assert message in str(err.value)
+
+
+def test_deprecated_single_seed_is_one_seed_and_not_both():
+    assert make(seed=5).grid.seeds == (5,)
+    assert {p.seed for p in make(seed=5).runs()} == {5}
+    with pytest.raises(dsconfig.ConfigError, match=r"'grid.seed' and 'grid.seeds' both given; keep only 'seeds: \[5"):
+        make(seed=5, seeds=[1, 2])
 
 
 def test_full_product_in_stable_order():
@@ -45,23 +74,23 @@ def test_full_product_in_stable_order():
     assert len(points) == 2 * 2 * 3 * 2 * 2 * 2 * 3
     assert len({p.run_id for p in points}) == len(points)
     assert points == cfg.runs()  # deterministic
-    assert points[0].run_id == "gelan-t_64_g1_b8_disk_fp32_r0"
-    assert points[1].run_id == "gelan-t_64_g1_b8_disk_fp32_r1"
+    assert points[0].run_id == "gelan-t_64_g1_b8_disk_fp32_s0_r0"
+    assert points[1].run_id == "gelan-t_64_g1_b8_disk_fp32_s0_r1"
     # every point round-trips through its id
     for p in points[:20]:
         assert cfg.run(p.run_id) == p
 
 
 def test_weak_scaling_batches():
-    g4 = make(gpus=[1, 4]).run("gelan-t_64_g4_b8_disk_fp32_r0")
+    g4 = make(gpus=[1, 4]).run("gelan-t_64_g4_b8_disk_fp32_s0_r0")
     assert (g4.batch_per_rank, g4.global_batch) == (8, 32)
 
 
 def test_strong_scaling_batches_and_ids():
     cfg = make(gpus=[1, 2, 4], batch=[32], scaling="strong")
     ids = [p.run_id for p in cfg.runs()]
-    assert ids == ["gelan-t_64_g1_b32s_disk_fp32_r0", "gelan-t_64_g2_b32s_disk_fp32_r0",
-                   "gelan-t_64_g4_b32s_disk_fp32_r0"]
+    assert ids == ["gelan-t_64_g1_b32s_disk_fp32_s0_r0", "gelan-t_64_g2_b32s_disk_fp32_s0_r0",
+                   "gelan-t_64_g4_b32s_disk_fp32_s0_r0"]
     for p in cfg.runs():
         assert p.global_batch == 32 and p.batch_per_rank == 32 // p.gpus
     assert len({p.group for p in cfg.runs()}) == 1
@@ -76,7 +105,7 @@ def test_strong_scaling_indivisible_is_an_error():
 def test_multi_node_ids():
     cfg = make(gpus=[8, 16], nodes=2)
     p = cfg.runs()[0]
-    assert p.run_id == "gelan-t_64_g8n2_b8_disk_fp32_r0" and p.gpus_per_node == 4
+    assert p.run_id == "gelan-t_64_g8n2_b8_disk_fp32_s0_r0" and p.gpus_per_node == 4
     with pytest.raises(dsconfig.ConfigError, match="divide by the number of nodes"):
         make(gpus=[3], nodes=2)
 
@@ -92,20 +121,21 @@ def test_group_is_the_point_without_gpus_and_repeat():
 
 def test_unknown_run_is_a_clear_error():
     with pytest.raises(dsconfig.ConfigError, match="not in the grid.*runs are: gelan-t_64_g1"):
-        make().run("gelan-t_64_g3_b8_disk_fp32_r0")
+        make().run("gelan-t_64_g3_b8_disk_fp32_s0_r0")
 
 
 def test_run_config_is_narrowed_and_loadable(tmp_path: Path):
     cfg = make(gpus=[1, 2, 4], repeats=2)
-    path = dsruns.write_text_atomic(dsruns.run_config_text(cfg, "gelan-t_64_g2_b8_disk_fp32_r1"), tmp_path / "r.yaml")
+    run = "gelan-t_64_g2_b8_disk_fp32_s0_r1"
+    path = dsruns.write_text_atomic(dsruns.run_config_text(cfg, run), tmp_path / "r.yaml")
     narrowed = dsconfig.load(path)
-    assert [p.run_id for p in narrowed.runs()] == ["gelan-t_64_g2_b8_disk_fp32_r0", "gelan-t_64_g2_b8_disk_fp32_r1"]
-    assert narrowed.run("gelan-t_64_g2_b8_disk_fp32_r1") == cfg.run("gelan-t_64_g2_b8_disk_fp32_r1")
+    assert [p.run_id for p in narrowed.runs()] == ["gelan-t_64_g2_b8_disk_fp32_s0_r0", run]
+    assert narrowed.run("gelan-t_64_g2_b8_disk_fp32_s0_r1") == cfg.run("gelan-t_64_g2_b8_disk_fp32_s0_r1")
     assert narrowed.grid.epochs == cfg.grid.epochs and narrowed.train == cfg.train
 
 
 def test_run_config_changes_only_with_what_affects_the_run():
-    run = "gelan-t_64_g1_b8_disk_fp32_r0"
+    run = "gelan-t_64_g1_b8_disk_fp32_s0_r0"
     before = make()
     digest = dsruns.run_config_digest(before, run)
     # adding GPU counts, repeats or another cache mode adds runs but leaves this one alone
@@ -135,13 +165,13 @@ def test_runs_command(tmp_path: Path, capsys):
     config_path = tmp_path / "c.yaml"
     config_path.write_text(yaml.safe_dump(BASE))
     assert cli.main(["runs", "--config", str(config_path)]) == 0
-    assert capsys.readouterr().out.split() == ["gelan-t_64_g1_b8_disk_fp32_r0", "gelan-t_64_g2_b8_disk_fp32_r0"]
+    assert capsys.readouterr().out.split() == ["gelan-t_64_g1_b8_disk_fp32_s0_r0", "gelan-t_64_g2_b8_disk_fp32_s0_r0"]
     out = tmp_path / "run" / "run.yaml"
-    assert cli.main(["runs", "--config", str(config_path), "--run", "gelan-t_64_g2_b8_disk_fp32_r0",
+    assert cli.main(["runs", "--config", str(config_path), "--run", "gelan-t_64_g2_b8_disk_fp32_s0_r0",
                      "--out", str(out)]) == 0
     assert yaml.safe_load(out.read_text())["grid"]["gpus"] == [2]
     assert cli.main(["runs", "--config", str(config_path), "--run", "nope", "--out", str(out)]) == 2
-    assert cli.main(["runs", "--config", str(config_path), "--run", "gelan-t_64_g2_b8_disk_fp32_r0"]) == 2
+    assert cli.main(["runs", "--config", str(config_path), "--run", "gelan-t_64_g2_b8_disk_fp32_s0_r0"]) == 2
 
 
 def test_coco_config(tmp_path: Path):

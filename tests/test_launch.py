@@ -109,7 +109,7 @@ def test_torchrun_command_separates_our_arguments() -> None:
 
 
 def test_strong_scaling_batch_must_divide() -> None:
-    point = RunPoint("gelan-t", 64, 2, 1, 5, "strong", "none", "fp32", 0)
+    point = RunPoint("gelan-t", 64, 2, 1, 5, "strong", "none", "fp32", 0, 0)
     with pytest.raises(Exception, match="does not divide by 2 ranks"):
         check_world_size(point, 2)
 
@@ -130,7 +130,7 @@ grid:
 
 
 def _launch(tmp_path: Path, *launch_args: str, batch: int = 2, scaling: str = "weak",
-            run: str = "gelan-t_64_g2_b2_none_fp32_r0") -> subprocess.CompletedProcess[str]:
+            run: str = "gelan-t_64_g2_b2_none_fp32_s0_r0") -> subprocess.CompletedProcess[str]:
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(CONFIG.format(batch=batch, scaling=scaling))
     cmd = [sys.executable, "-m", "detscale", "launch", *launch_args, "--", "train", "--config", str(cfg),
@@ -146,7 +146,7 @@ def test_cli_wrong_gpu_count_fails_before_start(tmp_path: Path) -> None:
 
 
 def test_cli_indivisible_global_batch_fails_before_start(tmp_path: Path) -> None:
-    out = _launch(tmp_path, "--gpus", "2", batch=5, scaling="strong", run="gelan-t_64_g2_b5s_none_fp32_r0")
+    out = _launch(tmp_path, "--gpus", "2", batch=5, scaling="strong", run="gelan-t_64_g2_b5s_none_fp32_s0_r0")
     assert out.returncode == 2, out.stderr
     assert "global batch 5" in out.stderr and "divide" in out.stderr
     assert not (tmp_path / "run").exists()
@@ -224,7 +224,7 @@ def test_cli_multinode_outside_slurm_is_a_clear_error(tmp_path: Path) -> None:
     cfg.write_text(CONFIG.format(batch=2, scaling="weak").replace("  gpus: [2]\n", "  gpus: [2]\n  nodes: 2\n"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     out = subprocess.run([sys.executable, "-m", "detscale", "launch", "--gpus", "2", "--nodes", "2", "--", "train",
-                          "--config", str(cfg), "--run", "gelan-t_64_g2n2_b2_none_fp32_r0", "--out",
+                          "--config", str(cfg), "--run", "gelan-t_64_g2n2_b2_none_fp32_s0_r0", "--out",
                           str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert out.returncode == 2, out.stderr
     assert "needs a Slurm allocation" in out.stderr and "grid.nodes: 1" in out.stderr
@@ -327,7 +327,7 @@ RESUME_CONFIG = {
     "grid": {"model": ["gelan-t"], "imgsz": [64], "gpus": [1], "batch": [2], "cache": ["disk"],
              "precision": ["fp32"], "repeats": 1, "epochs": 6, "seed": 0},
     "train": {"warmup_epochs": 0, "close_mosaic": 0, "workers": 0, "timing_warmup_steps": 1,
-              "cpu_threads_per_rank": 1},
+              "cpu_threads_per_rank": 1, "nominal_batch": 4},
     "augment": {"mosaic": 0.0},
     "eval": {"batch": 4},
 }
@@ -365,7 +365,7 @@ def test_workflow_rerun_resumes_after_a_kill_and_after_a_sigterm(tmp_path: Path)
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     cmd = [sys.executable, "-m", "snakemake", "-s", str(root / "Snakefile"), "--directory", str(work),
            "--configfile", str(config), "--cores", "2", "--rerun-incomplete"]
-    run = work / "results" / "runs" / "gelan-t_64_g1_b2_disk_fp32_r0"
+    run = work / "results" / "runs" / "gelan-t_64_g1_b2_disk_fp32_s0_r0"
     stash, train_log = run / "resume-stash", work / "results" / "logs" / "runs" / run.name / "train.log"
     last = run.relative_to(work) / "weights" / "last.pt"
 

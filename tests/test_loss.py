@@ -158,7 +158,8 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
-def _rank_main(rank: int, world: int, port: int, x: torch.Tensor, targets: torch.Tensor, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, x: torch.Tensor, targets: torch.Tensor, out: str,
+               global_normaliser: bool) -> None:
     import torch.distributed as tdist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -169,7 +170,8 @@ def _rank_main(rank: int, world: int, port: int, x: torch.Tensor, targets: torch
         half = x.shape[0] // world
         local = targets[(targets[:, 0] >= rank * half) & (targets[:, 0] < (rank + 1) * half)].clone()
         local[:, 0] -= rank * half
-        loss, _ = DetectionLoss(model)(model(x[rank * half:(rank + 1) * half]), local)
+        loss, _ = DetectionLoss(model, global_normaliser=global_normaliser)(model(x[rank * half:(rank + 1) * half]),
+                                                                            local)
         (loss * world).backward()
         grads = _grads(model)
         for g in grads:  # what DDP does: average over ranks
@@ -188,18 +190,28 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_ranks_give_the_single_process_gradient(tmp_path: Path):
+@pytest.mark.parametrize("global_normaliser", [True, False], ids=["global", "local"])
+def test_two_ranks_give_the_single_process_gradient(tmp_path: Path, global_normaliser: bool):
+    """Global normaliser: 2 ranks x 2 images = 1 process on the 4 images. Local (the default):
+    2 ranks x 2 images = 1 process accumulating the gradients of the two halves, as a 1-GPU run does."""
     torch.manual_seed(1)
     x = torch.rand(4, 3, 64, 64)
     targets = MANY.clone()
     targets[2:, 0] += 2  # objects in images 0, 1 (rank 0), 3 (rank 1); image 2 has none
     model = _frozen_bn_model()
-    loss, _ = DetectionLoss(model)(model(x), targets)
-    loss.backward()
+    if global_normaliser:
+        loss, _ = DetectionLoss(model)(model(x), targets)
+        loss.backward()
+    else:
+        for half in (0, 1):  # accumulate the two micro-batches
+            local = targets[(targets[:, 0] >= 2 * half) & (targets[:, 0] < 2 * half + 2)].clone()
+            local[:, 0] -= 2 * half
+            loss, _ = DetectionLoss(model)(model(x[2 * half:2 * half + 2]), local)
+            loss.backward()
     expected = _grads(model)
 
     out = tmp_path / "grads.pt"
-    mp.spawn(_rank_main, args=(2, _free_port(), x, targets, str(out)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, _free_port(), x, targets, str(out), global_normaliser), nprocs=2, join=True)
     got = torch.load(out)
     assert len(got) == len(expected)
     for g, e in zip(got, expected, strict=True):

@@ -150,6 +150,7 @@ grid:
   epochs: 1
 train:
   warmup_epochs: 0
+  nominal_batch: 4  # one global batch per step: the 8 images make 2 steps
   close_mosaic: 0
   workers: 0
   cpu_threads_per_rank: 1

@@ -34,12 +34,12 @@ def test_quarantined_dataset_trains_and_evaluates(tmp_path):
         "dataset": {"name": "quarantined", "data_yaml": str(data_yaml)},
         "grid": {"model": ["gelan-t"], "imgsz": [64], "gpus": [1], "batch": [2], "cache": ["none"], "epochs": 1},
         "train": {"workers": 0, "cpu_threads_per_rank": 1, "warmup_epochs": 0, "close_mosaic": 0,
-                  "timing_warmup_steps": 0, "timeout_s": 120},
+                  "timing_warmup_steps": 0, "timeout_s": 120, "nominal_batch": 2},
         "eval": {"batch": 2},
     }
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    run_id = "gelan-t_64_g1_b2_none_fp32_r0"
+    run_id = "gelan-t_64_g1_b2_none_fp32_s0_r0"
     run_dir = tmp_path / "run"
     proc = run("train", "--config", str(config), "--run", run_id, "--out", str(run_dir), "--data", str(clean))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,12 +19,13 @@ from detscale.report.build import build_report
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def write_config(tmp_path: Path, gpus: list[int], repeats: int = 1, overlap: bool = False) -> Path:
+def write_config(tmp_path: Path, gpus: list[int], repeats: int = 1, overlap: bool = False,
+                 seeds: tuple[int, ...] = (0,), val_interval: int = 0) -> Path:
     raw = {
         "dataset": {"name": "shapes", "synthetic": {"imgsz": 64, "train": 8, "val": 4}},
         "grid": {"model": ["gelan-t"], "imgsz": [64], "gpus": gpus, "batch": [8], "cache": ["disk"],
-                 "precision": ["fp32"], "repeats": repeats, "epochs": 3},
-        "train": {"timing_warmup_steps": 2},
+                 "precision": ["fp32"], "repeats": repeats, "epochs": 3, "seeds": list(seeds)},
+        "train": {"timing_warmup_steps": 2, "val_interval": val_interval},
         "placement": {"allow_overlap": overlap},
     }
     path = tmp_path / "config.yaml"
@@ -33,7 +34,8 @@ def write_config(tmp_path: Path, gpus: list[int], repeats: int = 1, overlap: boo
 
 
 def write_run(root: Path, cfg: dsconfig.ExperimentConfig, run_id: str, ips: float, map50_95: float,
-              map50: float = 0.7, device: str = "cpu", span: tuple[float, float] | None = None) -> Path:
+              map50: float = 0.7, device: str = "cpu", span: tuple[float, float] | None = None,
+              curve: dict[int, float] | None = None) -> Path:
     """A run folder with the artifact contract's files, as `detscale train` / `evaluate` write them."""
     point = cfg.run(run_id)
     run_dir = root / run_id
@@ -55,6 +57,10 @@ def write_run(root: Path, cfg: dsconfig.ExperimentConfig, run_id: str, ips: floa
     (run_dir / "timing.json").write_text(json.dumps(timing))
     (run_dir / "eval.json").write_text(json.dumps(evaluation))
     (run_dir / "env.json").write_text(json.dumps({"host": "testhost", "torch": "2.x", "cpu": {"cores": 2}}))
+    rows = [{"epoch": e, "epoch_seconds": s} for e, s in enumerate(timing["epoch_seconds"])]
+    for epoch, value in (curve or {}).items():  # validation during training: epoch -> mAP@0.5:0.95
+        rows[epoch]["map50_95"] = value
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     dsconfig.save(cfg, run_dir / "config.yaml", extra={"run": {"id": run_id, "global_batch": point.global_batch}})
     return run_dir
 
@@ -65,8 +71,8 @@ def repeated(tmp_path: Path):
     config_path = write_config(tmp_path, [1, 2], repeats=2)
     cfg = dsconfig.load(config_path)
     runs = tmp_path / "runs"
-    values = {"gelan-t_64_g1_b8_disk_fp32_r0": (100.0, 0.40), "gelan-t_64_g1_b8_disk_fp32_r1": (110.0, 0.42),
-              "gelan-t_64_g2_b8_disk_fp32_r0": (189.0, 0.38), "gelan-t_64_g2_b8_disk_fp32_r1": (199.5, 0.44)}
+    values = {"gelan-t_64_g1_b8_disk_fp32_s0_r0": (100.0, 0.40), "gelan-t_64_g1_b8_disk_fp32_s0_r1": (110.0, 0.42),
+              "gelan-t_64_g2_b8_disk_fp32_s0_r0": (189.0, 0.38), "gelan-t_64_g2_b8_disk_fp32_s0_r1": (199.5, 0.44)}
     spans = {k: (1000.0 + 100 * i, 1090.0 + 100 * i) for i, k in enumerate(values)}
     dirs = [write_run(runs, cfg, k, ips, m, span=spans[k]) for k, (ips, m) in values.items()]
     return config_path, dirs
@@ -76,13 +82,13 @@ def test_relative_numbers_exact(repeated):
     config_path, dirs = repeated
     cfg = dsconfig.load(config_path)
     rows = {r["run"]: r for r in tables.scaling_rows([tables.load_run(d, cfg) for d in dirs])}
-    g2 = rows["gelan-t_64_g2_b8_disk_fp32_r0"]
+    g2 = rows["gelan-t_64_g2_b8_disk_fp32_s0_r0"]
     # baseline: median of the two 1-GPU runs = 105 img/s and mAP 0.41
     assert g2["speedup"] == pytest.approx(189.0 / 105.0, rel=1e-12)
     assert g2["efficiency"] == pytest.approx(189.0 / 105.0 / 2, rel=1e-12)
     assert g2["delta_map50_95_vs_1gpu"] == pytest.approx(0.38 - 0.41, abs=1e-12)
-    assert rows["gelan-t_64_g2_b8_disk_fp32_r1"]["speedup"] == pytest.approx(1.9, rel=1e-12)
-    g1 = rows["gelan-t_64_g1_b8_disk_fp32_r0"]
+    assert rows["gelan-t_64_g2_b8_disk_fp32_s0_r1"]["speedup"] == pytest.approx(1.9, rel=1e-12)
+    g1 = rows["gelan-t_64_g1_b8_disk_fp32_s0_r0"]
     assert g1["speedup"] == pytest.approx(100 / 105) and g1["efficiency"] == pytest.approx(100 / 105)
     assert g2["images_per_s_per_gpu"] == pytest.approx(94.5)
     assert g2["global_batch"] == 16 and g2["batch_per_gpu"] == 8
@@ -95,11 +101,11 @@ def test_relative_numbers_exact(repeated):
 def test_no_single_gpu_baseline(tmp_path: Path):
     config_path = write_config(tmp_path, [2, 4])
     cfg = dsconfig.load(config_path)
-    dirs = [write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_r0", 50.0, 0.5),
-            write_run(tmp_path / "runs", cfg, "gelan-t_64_g4_b8_disk_fp32_r0", 80.0, 0.45)]
+    dirs = [write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_s0_r0", 50.0, 0.5),
+            write_run(tmp_path / "runs", cfg, "gelan-t_64_g4_b8_disk_fp32_s0_r0", 80.0, 0.45)]
     files = build_report(dirs, config_path, tmp_path / "report")
     rows = {r["run"]: r for r in csv.DictReader(files.csv.open())}
-    g4 = rows["gelan-t_64_g4_b8_disk_fp32_r0"]
+    g4 = rows["gelan-t_64_g4_b8_disk_fp32_s0_r0"]
     assert float(g4["speedup"]) == pytest.approx(1.6)
     assert float(g4["efficiency"]) == pytest.approx(0.8)  # relative to 2 GPUs: 1.6 / (4 / 2)
     assert float(g4["baseline_gpus"]) == 2
@@ -130,7 +136,8 @@ def test_report_files(repeated, tmp_path: Path):
     assert "194.2 (189.0–199.5)" in md
     assert "CPU rank" in md and "GPU was used" in md
 
-    assert set(files.plots) == {"throughput", "efficiency", "memory", "map", "step_time"}
+    assert set(files.plots) == {"throughput", "efficiency", "memory", "map", "step_time", "accuracy_pairs",
+                                "time_to_accuracy"}
     for path in files.plots.values():
         assert path.read_bytes()[:8] == PNG_SIGNATURE
         pixels = matplotlib.image.imread(path)
@@ -141,11 +148,14 @@ def test_report_files(repeated, tmp_path: Path):
     srcs = re.findall(r"""(?:src|href)\s*=\s*["']([^"']*)""", page)
     assert srcs and all(s.startswith("data:image/png;base64,") for s in srcs)
     assert "<link" not in page and "<script" not in page and "@import" not in page
-    assert page.count("data:image/png;base64,") == 5
+    assert page.count("data:image/png;base64,") == 7
     assert "No GPU was used" in page and "CPU rank" in page
     assert "warm-up steps are excluded" in page
     assert "Memory format: contiguous (NCHW)" in page  # the layout changes throughput: it is said
-    assert "not an accuracy cost of the GPUs" in page  # a Δ mAP is read against the spread between seeds
+    # one seed: the report refuses to call the Δ mAP an accuracy cost (or the absence of one)
+    assert "No statement about an accuracy cost is possible with one seed" in page
+    assert "No statement about an accuracy cost is possible with one seed" in md
+    assert "differ in the rank count alone" in page
     assert "Placement: exclusive" in page and "confirm that no two runs overlapped" in page
     assert "testhost" in page  # environment
     assert config_path.read_text().splitlines()[0] in page  # the exact config
@@ -155,18 +165,18 @@ def test_report_files(repeated, tmp_path: Path):
 def test_overlap_recorded(tmp_path: Path):
     config_path = write_config(tmp_path, [1, 2], overlap=True)
     cfg = dsconfig.load(config_path)
-    dirs = [write_run(tmp_path / "runs", cfg, "gelan-t_64_g1_b8_disk_fp32_r0", 50.0, 0.5, span=(0.0, 10.0)),
-            write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_r0", 90.0, 0.5, span=(5.0, 20.0))]
+    dirs = [write_run(tmp_path / "runs", cfg, "gelan-t_64_g1_b8_disk_fp32_s0_r0", 50.0, 0.5, span=(0.0, 10.0)),
+            write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_s0_r0", 90.0, 0.5, span=(5.0, 20.0))]
     page = build_report(dirs, config_path, tmp_path / "report").html.read_text()
     assert "overlapping allowed" in page
-    assert "gelan-t_64_g1_b8_disk_fp32_r0 with gelan-t_64_g2_b8_disk_fp32_r0" in page
+    assert "gelan-t_64_g1_b8_disk_fp32_s0_r0 with gelan-t_64_g2_b8_disk_fp32_s0_r0" in page
 
 
 def test_cuda_runs_are_called_gpus(tmp_path: Path):
     config_path = write_config(tmp_path, [1, 2])
     cfg = dsconfig.load(config_path)
-    dirs = [write_run(tmp_path / "runs", cfg, "gelan-t_64_g1_b8_disk_fp32_r0", 50.0, 0.5, device="cuda"),
-            write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_r0", 90.0, 0.5, device="cuda")]
+    dirs = [write_run(tmp_path / "runs", cfg, "gelan-t_64_g1_b8_disk_fp32_s0_r0", 50.0, 0.5, device="cuda"),
+            write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_s0_r0", 90.0, 0.5, device="cuda")]
     page = build_report(dirs, config_path, tmp_path / "report").html.read_text()
     assert "Device: CUDA GPUs" in page and "CPU rank" not in page
 
@@ -174,7 +184,7 @@ def test_cuda_runs_are_called_gpus(tmp_path: Path):
 def test_point_from_run_config_when_not_in_grid(tmp_path: Path):
     """A run of another grid is still reported: its point comes from its own frozen config.yaml."""
     other = dsconfig.load(write_config(tmp_path, [1, 2]))
-    run_dir = write_run(tmp_path / "runs", other, "gelan-t_64_g2_b8_disk_fp32_r0", 90.0, 0.5)
+    run_dir = write_run(tmp_path / "runs", other, "gelan-t_64_g2_b8_disk_fp32_s0_r0", 90.0, 0.5)
     (tmp_path / "new").mkdir()
     current = dsconfig.load(write_config(tmp_path / "new", [4]))
     run = tables.load_run(run_dir, current)
@@ -184,7 +194,7 @@ def test_point_from_run_config_when_not_in_grid(tmp_path: Path):
 def test_errors_name_the_file(tmp_path: Path):
     config_path = write_config(tmp_path, [1, 2])
     cfg = dsconfig.load(config_path)
-    run_dir = write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_r0", 90.0, 0.5)
+    run_dir = write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_s0_r0", 90.0, 0.5)
     timing = json.loads((run_dir / "timing.json").read_text())
     timing["world_size"] = 1
     (run_dir / "timing.json").write_text(json.dumps(timing))
@@ -219,8 +229,8 @@ def test_stat_format():
 def test_environment_difference_is_flagged(tmp_path: Path):
     config_path = write_config(tmp_path, [1, 2])
     cfg = dsconfig.load(config_path)
-    dirs = [write_run(tmp_path / "runs", cfg, "gelan-t_64_g1_b8_disk_fp32_r0", 50.0, 0.5),
-            write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_r0", 90.0, 0.5)]
+    dirs = [write_run(tmp_path / "runs", cfg, "gelan-t_64_g1_b8_disk_fp32_s0_r0", 50.0, 0.5),
+            write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_s0_r0", 90.0, 0.5)]
     page = build_report(dirs, config_path, tmp_path / "report").html.read_text()
     assert "environments differ" not in page
     env = json.loads((dirs[1] / "env.json").read_text())
@@ -228,3 +238,73 @@ def test_environment_difference_is_flagged(tmp_path: Path):
     (dirs[1] / "env.json").write_text(json.dumps(env))
     md = build_report(dirs, config_path, tmp_path / "report").markdown.read_text()
     assert "environments differ in torch (" in md
+
+
+def _seeded_runs(tmp_path: Path, deltas: list[float], curves: dict[str, dict[int, float]] | None = None,
+                 val_interval: int = 0):
+    seeds = tuple(range(len(deltas)))
+    config_path = write_config(tmp_path, [1, 2], seeds=seeds, val_interval=val_interval)
+    cfg = dsconfig.load(config_path)
+    dirs = []
+    for seed, delta in zip(seeds, deltas, strict=True):
+        base = 0.40 + 0.03 * seed  # seed-to-seed spread larger than the effect
+        for gpus, value in ((1, base), (2, base + delta)):
+            run = f"gelan-t_64_g{gpus}_b8_disk_fp32_s{seed}_r0"
+            dirs.append(write_run(tmp_path / "runs", cfg, run, 100.0 * gpus, value, map50=value + 0.2,
+                                  curve=(curves or {}).get(run)))
+    return config_path, cfg, dirs
+
+
+def test_seed_pairs_give_mean_delta_and_t_interval(tmp_path: Path):
+    from scipy import stats
+
+    from detscale.report import accuracy
+
+    deltas = [-0.01, 0.004, -0.006, 0.002, -0.003, 0.001, -0.004, 0.0]
+    config_path, cfg, dirs = _seeded_runs(tmp_path, deltas)
+    rows = tables.scaling_rows([tables.load_run(d, cfg) for d in dirs])
+    found = {d.metric: d for d in accuracy.paired_deltas(rows)}
+    d = found["map50_95"]
+    assert d.seeds == tuple(range(8)) and d.gpus == 2 and d.baseline_gpus == 1
+    assert d.deltas == pytest.approx(deltas, abs=1e-12)  # read as pairs: the seed spread (0.03) drops out
+    assert d.mean == pytest.approx(sum(deltas) / 8)
+    low, high = stats.t.interval(0.95, 7, loc=d.mean, scale=stats.sem(deltas))
+    assert (d.low, d.high) == pytest.approx((low, high))
+    assert d.low < 0 < d.high
+    assert d.verdict().startswith("2 GPUs vs 1, mAP@0.5:0.95: no accuracy cost detected: Δ -0.002 (95 % CI")
+    assert "8 seeds" in d.verdict()
+    assert found["map50"].deltas == pytest.approx(deltas, abs=1e-12)
+
+    files = build_report(dirs, config_path, tmp_path / "report")
+    md, page = files.markdown.read_text(), files.html.read_text()
+    assert "## Does DDP cost accuracy?" in md and "no accuracy cost detected" in md and "no accuracy cost" in page
+    csv_rows = list(csv.DictReader(files.csv.open()))
+    assert {r["seed"] for r in csv_rows} == {str(s) for s in range(8)}
+    pair = next(r for r in csv_rows if r["run"] == "gelan-t_64_g2_b8_disk_fp32_s3_r0")
+    assert float(pair["delta_map50_95_vs_1gpu"]) == pytest.approx(0.002)  # against seed 3's own baseline
+
+
+def test_a_consistent_loss_is_called_a_cost(tmp_path: Path):
+    from detscale.report import accuracy
+
+    config_path, cfg, dirs = _seeded_runs(tmp_path, [-0.085, -0.074, -0.052])
+    rows = tables.scaling_rows([tables.load_run(d, cfg) for d in dirs])
+    d = next(x for x in accuracy.paired_deltas(rows) if x.metric == "map50")
+    assert d.high < 0
+    assert d.verdict() == "2 GPUs vs 1, mAP@0.5: costs 0.070 (95 % CI -0.112..-0.029, 3 seeds, paired t, p = 0.018)."
+
+
+def test_time_to_accuracy_from_validation_during_training(tmp_path: Path):
+    # baseline seed 0 ends at mAP 0.40 -> target 0.36; validations at epochs 0, 1, 2 after 9, 13 and 19 s
+    curves = {"gelan-t_64_g1_b8_disk_fp32_s0_r0": {0: 0.10, 1: 0.30, 2: 0.40},
+              "gelan-t_64_g2_b8_disk_fp32_s0_r0": {0: 0.20, 1: 0.37, 2: 0.41}}
+    config_path, cfg, dirs = _seeded_runs(tmp_path, [0.01], curves, val_interval=1)
+    files = build_report(dirs, config_path, tmp_path / "report")
+    rows = {r["run"]: r for r in csv.DictReader(files.csv.open())}
+    one, two = rows["gelan-t_64_g1_b8_disk_fp32_s0_r0"], rows["gelan-t_64_g2_b8_disk_fp32_s0_r0"]
+    assert float(one["tta_target_map50_95"]) == pytest.approx(0.36)
+    assert float(one["time_to_target_s"]) == pytest.approx(19.0)  # 9 + 4 + 6: reached at the last validation
+    assert float(two["time_to_target_s"]) == pytest.approx(13.0)  # 9 + 4
+    assert float(two["time_to_target_speedup"]) == pytest.approx(19.0 / 13.0, rel=1e-5)  # 6 digits in the CSV
+    assert float(one["time_to_target_speedup"]) == pytest.approx(1.0)
+    assert "time_to_accuracy" in files.plots

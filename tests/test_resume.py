@@ -49,7 +49,7 @@ def data_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _train(cfg: Path, out: Path, data_yaml: Path, resume: bool = False) -> int:
-    run = "gelan-t_64_g1_b4_none_fp32_r0"
+    run = "gelan-t_64_g1_b4_none_fp32_s0_r0"
     return trainer.train(trainer.TrainRequest(cfg, run, out, resume=resume, data_yaml=data_yaml))
 
 
@@ -162,7 +162,7 @@ def test_rank_killed_mid_epoch_restarts_and_finishes(tmp_path: Path, data_yaml: 
     script = tmp_path / "killer.py"
     script.write_text(textwrap.dedent(KILLER.format(kill_at=4 + 2)))  # 4 batches per epoch per rank
     out = tmp_path / "run"
-    argv = ["train", "--config", str(cfg), "--run", "gelan-t_64_g2_b2_none_fp32_r0", "--out", str(out),
+    argv = ["train", "--config", str(cfg), "--run", "gelan-t_64_g2_b2_none_fp32_s0_r0", "--out", str(out),
             "--data", str(data_yaml)]
     cmd = torchrun_command(2, argv, port=pick_port(None), max_restarts=1, entry=("--", str(script)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -414,7 +414,7 @@ def test_requeued_training_resumes(cluster: None, tmp_path: Path) -> None:
             "dataset": {**TINY["dataset"], "synthetic": {**TINY["dataset"]["synthetic"], "train": 16}},
             "train": {**TINY["train"], "cpu_threads_per_rank": 1}}
     cmd, env, work = _snakemake_command(tmp_path, tiny)
-    run = work / "results" / "runs" / "gelan-t_64_g1_b2_disk_fp32_r0"
+    run = work / "results" / "runs" / "gelan-t_64_g1_b2_disk_fp32_s0_r0"
     metrics = run / "metrics.jsonl"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -27,7 +27,7 @@ TINY = {
                                               "object_size": [0.2, 0.5]}},
     "grid": {"model": ["gelan-t"], "imgsz": [64], "gpus": [1, 2], "batch": [4], "cache": ["disk"],
              "precision": ["fp32"], "repeats": 1, "epochs": 1, "seed": 0},
-    "train": {"warmup_epochs": 0, "close_mosaic": 0, "workers": 0, "timing_warmup_steps": 1},
+    "train": {"warmup_epochs": 0, "close_mosaic": 0, "workers": 0, "timing_warmup_steps": 1, "nominal_batch": 8},
     "eval": {"batch": 8},
 }
 

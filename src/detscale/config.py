@@ -112,6 +112,12 @@ def validate_dict(raw: Mapping[str, Any], source: str = "config") -> dict[str, A
     if errors:
         lines = "\n".join(f"  - {_describe(e)}" for e in errors)
         raise ConfigError(f"invalid configuration in {source}:\n{lines}")
+    grid = data.get("grid")
+    if isinstance(grid, dict) and "seed" in grid:  # the deprecated single seed
+        if "seeds" in grid:
+            raise ConfigError(f"invalid configuration in {source}:\n  - 'grid.seed' and 'grid.seeds' both given; "
+                              f"keep only 'seeds: [{grid['seed']}]' ('seed' is the deprecated form of one seed)")
+        grid["seeds"] = [grid.pop("seed")]
     _fill_defaults(load_schema(), data)
     return data
 
@@ -162,7 +168,7 @@ class GridConfig:
     precision: tuple[str, ...] = ("fp32",)
     repeats: int = 1
     epochs: int = 100
-    seed: int = 0
+    seeds: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,7 @@ class EvalConfig:
     iou: float = 0.7
     max_det: int = 300
     batch: int = 32
+    tta_fraction: float = 0.9
     gpus: int = 1
 
 
@@ -234,6 +241,7 @@ class RunPoint:
     scaling: str
     cache: str
     precision: str
+    seed: int
     repeat: int
 
     @property
@@ -250,14 +258,15 @@ class RunPoint:
 
     @property
     def run_id(self) -> str:
-        """e.g. ``gelan-t_256_g2_b16_disk_fp32_r0``; ``g8n2`` for 8 GPUs on 2 nodes."""
+        """e.g. ``gelan-t_256_g2_b16_disk_fp32_s0_r0`` (seed 0, repeat 0); ``g8n2`` for 8 GPUs on 2 nodes."""
         gpus = f"g{self.gpus}" + (f"n{self.nodes}" if self.nodes > 1 else "")
         batch = f"b{self.batch}" + ("s" if self.scaling == "strong" else "")
-        return f"{self.model}_{self.imgsz}_{gpus}_{batch}_{self.cache}_{self.precision}_r{self.repeat}"
+        return f"{self.model}_{self.imgsz}_{gpus}_{batch}_{self.cache}_{self.precision}_s{self.seed}_r{self.repeat}"
 
     @property
     def group(self) -> str:
-        """The point without its GPU count and repeat: runs of one group are compared for speed-up."""
+        """The point without its GPU count, seed and repeat: runs of one group are compared for speed-up,
+        and their runs of one seed pair up for the accuracy comparison."""
         batch = f"b{self.batch}" + ("s" if self.scaling == "strong" else "")
         return f"{self.model}_{self.imgsz}_{batch}_{self.cache}_{self.precision}"
 
@@ -276,9 +285,9 @@ class ExperimentConfig:
         """Every run of the grid, in a stable order."""
         g = self.grid
         return [
-            RunPoint(m, s, n, g.nodes, b, g.scaling, c, p, r)
-            for m, s, n, b, c, p, r in itertools.product(
-                g.model, g.imgsz, g.gpus, g.batch, g.cache, g.precision, range(g.repeats)
+            RunPoint(m, s, n, g.nodes, b, g.scaling, c, p, seed, r)
+            for m, s, n, b, c, p, seed, r in itertools.product(
+                g.model, g.imgsz, g.gpus, g.batch, g.cache, g.precision, g.seeds, range(g.repeats)
             )
         ]
 

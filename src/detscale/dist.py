@@ -123,6 +123,15 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked in rank order, ``[world, *shape]``; ``tensor[None]`` with one process."""
+    if not is_dist():
+        return tensor[None]
+    out = [torch.empty_like(tensor) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(out, tensor.contiguous())
+    return torch.stack(out)
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order; ``[obj]`` with one process."""
     if not is_dist():

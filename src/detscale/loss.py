@@ -3,10 +3,17 @@
 Everything is vectorised over the batch: ground truth is padded to ``[B, M_max]`` once and the
 assigner works on ``[B, M_max, A]`` tensors, so no Python loop runs over images or boxes.
 
-Distributed contract (``docs/internals.md``): the normaliser (sum of target scores) is
-all-reduced over ranks and the returned loss is multiplied by the *global* batch, so that
-``(loss * world_size).backward()`` under DDP's gradient averaging gives exactly the gradient of one
-process training on the concatenated batch.
+Distributed contract (``docs/internals.md``): the trainer backpropagates ``loss * world_size``
+and DDP averages the gradients over ranks, so the step's gradient is the *sum* of the ranks'.
+
+- Local normaliser (the default, ``global_normaliser=False``): each rank's loss is normalised by
+  its own sum of target scores and scaled by its own batch, as one process normalises each
+  accumulated micro-batch. N ranks x batch b then give exactly the gradient of one process
+  accumulating N batches of b, the comparison a 1-vs-N-GPU benchmark makes (and what the
+  reference trainers do).
+- Global normaliser (with SyncBatchNorm): the normaliser is all-reduced over ranks and the loss
+  scaled by the global batch, so N ranks x b give the gradient of one process on one batch of
+  N x b, whose BatchNorm statistics SyncBatchNorm reproduces.
 """
 
 from __future__ import annotations
@@ -133,18 +140,22 @@ class DetectionLoss:
     ``preds`` is the training-mode output of the model (per-level maps, or ``(main, aux)`` for
     the dual-head models); ``targets`` is [N, 6] (batch_idx, cls, cx, cy, w, h) normalised to the
     input image. ``loss`` = (box_gain * CIoU + cls_gain * BCE + dfl_gain * DFL), plus
-    ``aux_weight`` times the same for the auxiliary head, multiplied by the global batch size;
-    ``items`` = detached (box, cls, dfl) with gains applied (auxiliary included), for logging.
+    ``aux_weight`` times the same for the auxiliary head, multiplied by the batch size (this
+    rank's, or the global one with ``global_normaliser``); ``items`` = detached (box, cls, dfl)
+    with gains applied (auxiliary included), for logging: this rank's batch loss, or with
+    ``global_normaliser`` its share of the global-batch loss (the sum over ranks).
     """
 
     def __init__(self, model: nn.Module, box_gain: float = 7.5, cls_gain: float = 0.5, dfl_gain: float = 1.5,
-                 aux_weight: float = 0.25, topk: int = 10, alpha: float = 0.5, beta: float = 6.0) -> None:
+                 aux_weight: float = 0.25, topk: int = 10, alpha: float = 0.5, beta: float = 6.0,
+                 global_normaliser: bool = False) -> None:
         raw = getattr(model, "module", model)
         self.nc: int = raw.nc
         self.reg_max: int = raw.reg_max
         self.strides: list[float] = [float(s) for s in raw.stride]
         self.gains = (box_gain, cls_gain, dfl_gain)
         self.aux_weight = aux_weight
+        self.global_normaliser = global_normaliser
         # The reference's floor for small boxes: the middle stride (16 px for strides 8, 16, 32).
         self.assigner = TaskAlignedAssigner(self.nc, topk, alpha, beta, min_side=self.strides[len(self.strides) // 2])
 
@@ -160,27 +171,32 @@ class DetectionLoss:
         for levels, weight in heads:
             parts = parts + weight * self._head_terms(levels, gt_labels, gt_boxes, gt_mask)
         parts = parts * torch.tensor(self.gains, device=parts.device)
-        global_batch = bsz * dist.get_world_size()
-        return parts.sum() * global_batch, parts.detach()
+        batch = bsz * dist.get_world_size() if self.global_normaliser else bsz
+        return parts.sum() * batch, parts.detach()
 
     def _head_terms(self, levels: list[torch.Tensor], gt_labels: torch.Tensor, gt_boxes: torch.Tensor,
                     gt_mask: torch.Tensor) -> torch.Tensor:
-        """Un-gained (CIoU, BCE, DFL) of one head, each normalised by the global sum of target scores."""
+        """Un-gained (CIoU, BCE, DFL) of one head, each normalised by the sum of target scores."""
         bsz = levels[0].shape[0]
-        flat = torch.cat([x.float().view(bsz, self.nc + 4 * self.reg_max, -1) for x in levels], 2)
+        # half precision (autocast) is computed in float32; float64 (the equivalence tests) stays
+        flat = torch.cat([x.view(bsz, self.nc + 4 * self.reg_max, -1) for x in levels], 2)
+        flat = flat if flat.dtype == torch.float64 else flat.float()
         pred_dist, pred_logits = flat.split((4 * self.reg_max, self.nc), 1)
         pred_dist = pred_dist.transpose(1, 2).contiguous()  # [B, A, 4 * reg_max]
         pred_logits = pred_logits.transpose(1, 2).contiguous()  # [B, A, nc]
-        points, stride = make_anchors([tuple(x.shape[2:]) for x in levels], self.strides, flat.device)
+        points, stride = make_anchors([tuple(x.shape[2:]) for x in levels], self.strides, flat.device, flat.dtype)
 
         # Boxes in grid units of their level, from the expectation over the distance bins.
-        bins = torch.arange(self.reg_max, device=flat.device, dtype=torch.float32)
+        bins = torch.arange(self.reg_max, device=flat.device, dtype=flat.dtype)
         pred_ltrb = pred_dist.view(bsz, -1, 4, self.reg_max).softmax(-1) @ bins
         pred_boxes = dist2bbox(pred_ltrb, points)
 
         target = self.assigner(pred_logits.detach().sigmoid(), pred_boxes.detach() * stride,
                                points * stride, gt_labels, gt_boxes, gt_mask)
-        score_sum = dist.all_reduce_sum(target.scores.sum().detach().clone()).clamp(min=1.0)
+        score_sum = target.scores.sum().detach().clone()
+        if self.global_normaliser:
+            score_sum = dist.all_reduce_sum(score_sum)
+        score_sum = score_sum.clamp(min=1.0)
 
         bce = F.binary_cross_entropy_with_logits(pred_logits, target.scores, reduction="none").sum() / score_sum
 

@@ -6,7 +6,9 @@ import sys
 from detscale import config as dsconfig
 from detscale.commands import runs as dsruns
 
-validate(config, "../schemas/config.schema.yaml")
+# set_default=False: defaults are filled by detscale.config (a filled-in seeds: [0] would clash with a
+# deprecated grid.seed).
+validate(config, "../schemas/config.schema.yaml", set_default=False)
 try:
     CFG = dsconfig.from_dict(config, source="the snakemake config")
 except dsconfig.ConfigError as exc:
@@ -22,11 +24,11 @@ CACHE_DIR = f"results/cache/{DATASET}"
 CONDA_ENV = "../../environment.yml"
 
 # The experiment grid: one training run per point, its id encoding the point
-# (model_imgsz_gGPUS_bBATCH_cache_precision_rREPEAT, see detscale.config.RunPoint.run_id).
+# (model_imgsz_gGPUS_bBATCH_cache_precision_sSEED_rREPEAT, see detscale.config.RunPoint.run_id).
 RUNS = [point.run_id for point in CFG.runs()]
 RUN_DIR = "results/runs/{run}"
 REPORT_DIR = "results/report"
-REPORT_PLOTS = ["throughput", "efficiency", "memory", "map", "step_time"]
+REPORT_PLOTS = ["throughput", "efficiency", "memory", "map", "step_time", "accuracy_pairs", "time_to_accuracy"]
 
 wildcard_constraints:
     run="|".join(re.escape(r) for r in RUNS),

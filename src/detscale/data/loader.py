@@ -1,13 +1,13 @@
 """Data loaders for training (distributed, shuffled, augmented) and validation (sharded, exact).
 
-Training: :class:`TrainSampler` is a ``DistributedSampler`` (shuffle, one seed) that yields
-:class:`~detscale.data.dataset.SampleKey` ``(index, epoch, mosaic, seed)`` instead of bare
-indices. The sampler is iterated in the main process, so switching mosaic off for the last
+Training: :class:`TrainSampler` shuffles with one seed, gives each rank a contiguous slice of
+every global batch, and yields :class:`~detscale.data.dataset.SampleKey` ``(index, epoch, mosaic,
+seed)`` instead of bare indices. The sampler is iterated in the main process, so switching mosaic off for the last
 ``close_mosaic`` epochs reaches the workers through the keys, even with persistent workers
 (whose copy of the dataset never sees attribute changes made in the main process). Call
 :func:`set_epoch` at the start of every epoch::
 
-    loader = build_train_loader(dataset, batch, rank, world, seed, workers, pin_memory=True)
+    loader = build_train_loader(dataset, batch, rank, world, seed, workers, accumulate=accumulate)
     for epoch in range(start, epochs):
         set_epoch(loader, epoch, mosaic=epoch < epochs - close_mosaic)
         for imgs, targets, metas in loader: ...
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from detscale.data.dataset import SampleKey
 
@@ -44,25 +44,47 @@ def collate(
     return imgs, torch.cat(targets) if targets else torch.zeros((0, 6)), [item[2] for item in batch]
 
 
-class TrainSampler(DistributedSampler):
-    """``DistributedSampler`` (shuffled, seeded) that yields ``SampleKey(index, epoch, mosaic, seed)``.
+class TrainSampler(Sampler[SampleKey]):
+    """This rank's share of a seeded shuffle, as ``SampleKey(index, epoch, mosaic, seed)``.
 
-    ``rank`` and ``num_replicas`` are explicit, so no process group is needed to build it.
+    Every epoch is one permutation of the dataset (seeded with ``seed + epoch``, as
+    ``DistributedSampler`` does) cut into global batches of ``num_replicas x batch_size`` images;
+    rank ``r`` takes the ``r``-th contiguous slice of each. So the ``i``-th batch of a single rank
+    that accumulates N batches is exactly rank ``i mod N``'s batch of an N-rank run: the same
+    images share a BatchNorm batch and an optimiser step whatever the rank count. Only whole
+    optimiser steps (``accumulate`` global batches) are kept; the rest of the epoch's permutation
+    is left out (a different rest every epoch). ``rank`` and ``num_replicas`` are explicit, so no
+    process group is needed to build it.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, mosaic: bool = True):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self.mosaic = mosaic
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, batch_size: int = 1,
+                 accumulate: int = 1, mosaic: bool = True):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside world size {num_replicas}")
+        self.n = len(dataset)  # type: ignore[arg-type]
+        self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
+        self.batch_size, self.accumulate = batch_size, accumulate
+        self.epoch, self.mosaic = 0, mosaic
+        images_per_step = num_replicas * batch_size * accumulate
+        self.batches = self.n // images_per_step * accumulate  # this rank's batches per epoch
 
     def set_epoch(self, epoch: int, mosaic: bool | None = None) -> None:
         """Reshuffle for ``epoch``; ``mosaic`` (when given) switches mosaic on or off from now on."""
-        super().set_epoch(epoch)
+        self.epoch = epoch
         if mosaic is not None:
             self.mosaic = mosaic
 
-    def __iter__(self) -> Iterator[SampleKey]:  # type: ignore[override]
-        for index in super().__iter__():
-            yield SampleKey(int(index), self.epoch, self.mosaic, self.seed)
+    def __iter__(self) -> Iterator[SampleKey]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        b, world = self.batch_size, self.num_replicas
+        for i in range(self.batches):
+            start = (i * world + self.rank) * b
+            for index in order[start:start + b]:
+                yield SampleKey(index, self.epoch, self.mosaic, self.seed)
+
+    def __len__(self) -> int:
+        return self.batches * self.batch_size
 
 
 class ShardSampler(Sampler[int]):
@@ -119,14 +141,16 @@ def build_train_loader(
     seed: int,
     workers: int,
     pin_memory: bool = True,
-    drop_last: bool = True,
+    accumulate: int = 1,
 ) -> DataLoader:
-    """Shuffled, distributed, augmented batches of ``batch_size`` for this rank.
+    """Shuffled, distributed, augmented batches of ``batch_size`` for this rank (:class:`TrainSampler`).
 
-    Workers are persistent (when ``workers > 0``); memory is pinned only when CUDA is present.
-    The same ``seed`` gives the same batches, whatever ``workers`` is.
+    Each epoch holds whole optimiser steps of ``accumulate`` batches on every rank. Workers are
+    persistent (when ``workers > 0``); memory is pinned only when CUDA is present. The same
+    ``seed`` gives the same batches, whatever ``workers`` is.
     """
-    sampler = TrainSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+    sampler = TrainSampler(dataset, num_replicas=world_size, rank=rank, seed=seed, batch_size=batch_size,
+                           accumulate=accumulate)
     # Fixes torch's per-epoch worker base seeds, so worker_init_fn seeds repeat from run to run.
     generator = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, rank]).generate_state(1)[0]))
     return DataLoader(
@@ -136,7 +160,7 @@ def build_train_loader(
         num_workers=workers,
         collate_fn=collate,
         pin_memory=pin_memory and torch.cuda.is_available(),
-        drop_last=drop_last,
+        drop_last=True,
         persistent_workers=workers > 0,
         worker_init_fn=partial(_init_worker, seed=seed, rank=rank),
         generator=generator,

@@ -96,7 +96,7 @@ def derive_semantics(cfg: ExperimentConfig, point: RunPoint, world_size: int, de
         channels_last=t.channels_last,
         sync_bn=t.sync_bn,
         epochs=cfg.grid.epochs,
-        seed=cfg.grid.seed,
+        seed=point.seed,
         lr_schedule=t.lr_schedule,
         close_mosaic=t.close_mosaic,
     )
@@ -136,7 +136,6 @@ def config_digest(cfg: ExperimentConfig, point: RunPoint) -> str:
     picked = {
         "point": asdict(point),
         "epochs": cfg.grid.epochs,
-        "seed": cfg.grid.seed,
         "dataset": data["dataset"],
         "train": train,
         "augment": data["augment"],

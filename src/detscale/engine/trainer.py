@@ -7,13 +7,17 @@ Reading order: :func:`train` (set up, loop over epochs, finish) -> :func:`train_
 
 Semantics (stated in every run's ``config.yaml``, see :mod:`detscale.engine.semantics`):
 
-- The loss module normalises by the *global* target count and scales by the global batch; the
-  loss is multiplied by ``world_size`` before ``backward()`` to undo DDP's gradient averaging,
-  so N ranks x batch b compute the gradient of 1 rank x batch N*b.
+- The loss is multiplied by ``world_size`` before ``backward()`` to undo DDP's gradient
+  averaging: the step's gradient is the sum of the ranks' (see :mod:`detscale.loss` for the
+  normaliser: each rank's own, or with SyncBN the global one, so that N ranks x batch b then
+  compute the gradient of 1 rank x batch N*b).
 - ``accumulate`` batches make one optimiser step; accumulation restarts every epoch (the last
   batches of an epoch make a step of their own), so epoch boundaries are clean resume points.
-- Buffers (BatchNorm running statistics) are averaged over ranks after every optimiser step
-  (DDP's per-forward buffer broadcast is off), so every rank's weights, buffers and EMA are equal.
+- Without SyncBN, rank ``r`` trains the ``r``-th slice of every global batch, normalises its loss
+  by its own targets, and the ranks' BatchNorm running statistics are merged after every batch
+  as one process would have updated them batch after batch (:mod:`detscale.engine.buffers`; DDP's
+  per-forward buffer broadcast is off). So N ranks x batch b train exactly as 1 rank that
+  accumulates N batches of b (tested in float64), and every rank's weights, buffers and EMA are equal.
 
 Checkpoints and resume: rank 0 writes ``weights/last.pt`` atomically after every epoch (and
 ``best.pt`` on the best validation mAP@0.5:0.95), holding every rank's RNG states and timings.
@@ -50,6 +54,7 @@ from torch import nn
 from detscale import config, dist
 from detscale.config import ExperimentConfig, RunPoint, TrainConfig
 from detscale.engine import checkpoint as ckpt_io
+from detscale.engine.buffers import SequentialBufferMerge
 from detscale.engine.ema import ModelEMA
 from detscale.engine.optim import (
     apply_warmup,
@@ -122,6 +127,7 @@ class Parts:
     scaler: torch.amp.GradScaler
     loss_fn: Any
     amp_dtype: torch.dtype | None
+    buffers: SequentialBufferMerge | None  # N ranks without SyncBN: BatchNorm statistics merged per batch
 
 
 @dataclass
@@ -197,31 +203,15 @@ def train_step(
     return items.detach().float()
 
 
-def optimizer_step(parts: Parts, clip_grad_norm: float, sync_buffers: bool) -> None:
-    """Unscale, clip, step, zero the gradients; keep buffers equal over ranks; update the EMA."""
+def optimizer_step(parts: Parts, clip_grad_norm: float) -> None:
+    """Unscale, clip, step, zero the gradients; update the EMA."""
     parts.scaler.unscale_(parts.optimizer)
     if clip_grad_norm > 0:
         torch.nn.utils.clip_grad_norm_(parts.raw.parameters(), max_norm=clip_grad_norm)
     parts.scaler.step(parts.optimizer)
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
-    if sync_buffers:
-        average_buffers(parts.raw)
     parts.ema.update(parts.raw)
-
-
-def average_buffers(model: nn.Module) -> None:
-    """Average floating-point buffers (BatchNorm running statistics) over ranks in one all-reduce."""
-    buffers = [b for b in model.buffers() if b.dtype.is_floating_point]
-    if not buffers or dist.get_world_size() == 1:
-        return
-    flat = torch.cat([b.detach().reshape(-1).float() for b in buffers])
-    dist.all_reduce_mean(flat)
-    offset = 0
-    for b in buffers:
-        n = b.numel()
-        b.copy_(flat[offset:offset + n].view_as(b))
-        offset += n
 
 
 @dataclass
@@ -279,11 +269,14 @@ def train_one_epoch(
         boundary = i - last_step >= accumulate or i == nb - 1
         # Between optimiser steps the gradient all-reduce is skipped: DDP reduces the sum once.
         sync = contextlib.nullcontext() if boundary or sem.world_size == 1 else parts.model.no_sync()
+        before = parts.buffers.snapshot() if parts.buffers is not None else None
         with sync:
             items = train_step(parts.model, parts.loss_fn, parts.scaler, to_input(imgs, device, sem.channels_last),
                                targets, sem.world_size, parts.amp_dtype)
+        if parts.buffers is not None:
+            parts.buffers.merge(before)
         if boundary:
-            optimizer_step(parts, tcfg.clip_grad_norm, sync_buffers=sem.world_size > 1 and not sem.sync_bn)
+            optimizer_step(parts, tcfg.clip_grad_norm)
             last_step = i
         t_done = clock.now()
         timing.record_step(len(imgs), t_data - t_prev, t_done - t_data)
@@ -291,8 +284,8 @@ def train_one_epoch(
         i += 1
         bar.update(1)
         if bar.n % 10 == 0 or i == nb:
-            # this rank's share of the global loss, x world size: an estimate of the global value
-            box, cls, dfl = (loss_sum * sem.world_size / i).tolist()
+            # an estimate of the global value from this rank's batches
+            box, cls, dfl = (loss_sum * (sem.world_size if parts.loss_fn.global_normaliser else 1) / i).tolist()
             bar.set_postfix_str(f"box={box:.3f} cls={cls:.3f} dfl={dfl:.3f}")
         if boundary and stop.agreed(device):
             stopped = True
@@ -301,9 +294,11 @@ def train_one_epoch(
     bar.close()
     seconds = time.perf_counter() - t_epoch
     progress.step, progress.loss_sum, progress.epoch_seconds_done = i, loss_sum.tolist(), seconds
-    # Items are this rank's share of the global loss: the sum over ranks is the global-batch loss.
-    # The sum travels on the device: NCCL has no CPU tensors (gloo takes either).
-    mean = dist.all_reduce_sum(loss_sum.to(device, copy=True)).cpu() / max(i, 1)
+    # Items are this rank's batch loss (local normaliser: the mean over ranks is the global value)
+    # or its share of the global-batch loss (global normaliser: the sum is). The sum travels on
+    # the device: NCCL has no CPU tensors (gloo takes either).
+    shares = parts.loss_fn.global_normaliser
+    mean = dist.all_reduce_sum(loss_sum.to(device, copy=True)).cpu() / (max(i, 1) * (1 if shares else sem.world_size))
     return EpochResult(mean.tolist(), seconds, stopped, i, complete=i == nb)
 
 
@@ -362,9 +357,9 @@ def build_parts(point: RunPoint, nc: int, sem: TrainSemantics, tcfg: TrainConfig
     scheduler = build_scheduler(optimizer, sem.lr_schedule, sem.epochs, tcfg.lrf)
     amp_dtype = AMP_DTYPES.get(sem.precision)
     scaler = torch.amp.GradScaler(info.device.type, enabled=sem.precision == "fp16")
-    loss_fn = DetectionLoss(raw, tcfg.box_gain, tcfg.cls_gain, tcfg.dfl_gain)
+    loss_fn = DetectionLoss(raw, tcfg.box_gain, tcfg.cls_gain, tcfg.dfl_gain, global_normaliser=sem.sync_bn)
     if sem.world_size > 1:
-        # Buffers are averaged after each optimiser step (average_buffers), not broadcast per forward.
+        # Buffers are merged after every batch (SequentialBufferMerge), not broadcast per forward.
         # (torch >= 2.12 renames broadcast_buffers to forward_sync_buffers.)
         params = inspect.signature(DDP.__init__).parameters
         no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
@@ -372,8 +367,9 @@ def build_parts(point: RunPoint, nc: int, sem: TrainSemantics, tcfg: TrainConfig
                                gradient_as_bucket_view=True, **no_sync)
     else:
         model = raw
+    buffers = SequentialBufferMerge(raw) if sem.world_size > 1 and not sem.sync_bn else None
     seed_everything(rank_seed(sem.seed, info.rank))
-    return Parts(model, raw, ema, optimizer, scheduler, scaler, loss_fn, amp_dtype)
+    return Parts(model, raw, ema, optimizer, scheduler, scaler, loss_fn, amp_dtype, buffers)
 
 
 def build_loaders(point: RunPoint, cfg: ExperimentConfig, data_yaml: Path, cache_dir: Path | None,
@@ -382,11 +378,17 @@ def build_loaders(point: RunPoint, cfg: ExperimentConfig, data_yaml: Path, cache
     from detscale.data.loader import build_train_loader, build_val_loader
 
     train_ds = build_dataset(data_yaml, "train", point.imgsz, point.cache, cache_dir, cfg.augment)
-    if len(train_ds) < sem.global_batch:
-        raise UserError(f"the training split of {data_yaml} has {len(train_ds)} images, fewer than one global "
-                        f"batch ({sem.global_batch}); use a smaller batch or more images")
+    if len(train_ds) < sem.images_per_optimizer_step:
+        raise UserError(f"the training split of {data_yaml} has {len(train_ds)} images, fewer than one optimiser "
+                        f"step ({sem.global_batch} x {sem.accumulate} accumulated = {sem.images_per_optimizer_step}); "
+                        "use a smaller batch or nominal_batch, or more images")
     train = build_train_loader(train_ds, sem.batch_per_rank, info.rank, info.world_size, sem.seed,
-                               cfg.train.workers)
+                               cfg.train.workers, accumulate=sem.accumulate)
+    left_out = len(train_ds) - len(train) * sem.global_batch
+    if left_out > 0.1 * len(train_ds):
+        log.warning("each epoch trains %d of the %d training images (whole optimiser steps of %d images; the "
+                    "rest, a different one every epoch, waits for a later epoch): lower train.nominal_batch or the "
+                    "batch to use more of them", len(train_ds) - left_out, len(train_ds), sem.images_per_optimizer_step)
     val = None
     if with_val:
         val_ds = build_dataset(data_yaml, "val", point.imgsz, point.cache, cache_dir, None)

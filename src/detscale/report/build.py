@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from detscale import config as dsconfig
-from detscale.report import html, plots, tables
+from detscale.report import accuracy, html, plots, tables
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +120,22 @@ def methods(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig) -
         f"mAP: COCO mAP@0.5 and mAP@0.5:0.95 of the final EMA weights on {_span([r['num_images'] for r in rows])} "
         f"validation images (`detscale evaluate`, faster-coco-eval, the numbers pycocotools gives), confidence "
         f"≥ {cfg.eval.conf}, NMS IoU {cfg.eval.iou}, at most {cfg.eval.max_det} detections per image.",
-        f"Repeats: {cfg.grid.repeats} per experiment point (same seed {cfg.grid.seed}); tables show the median and "
-        "(min–max) over repeats. Repeats share the seed, so their spread is timing noise and non-determinism, not "
-        "seed-to-seed training variance (CPU training is deterministic: repeats there reach the same mAP). Runs with "
-        "different GPU counts see the data in another order, as runs with another seed do: a Δ mAP within the spread "
-        "between seeds of one configuration is not an accuracy cost of the GPUs. Run the grid with other grid.seed "
-        "values to measure that spread.",
+        f"Seeds and repeats: every point trains once per seed (seeds {', '.join(map(str, cfg.grid.seeds))}) and "
+        f"{cfg.grid.repeats} time(s) per seed; tables show the median and (min–max) over those runs. Repeats share "
+        "the seed, so their spread is timing noise and non-determinism, not seed-to-seed variation (CPU training is "
+        "deterministic: repeats there reach the same mAP).",
+        "Accuracy pairs: an N-GPU run and the baseline run of the same point and seed see the same images in the "
+        "same optimiser steps: rank r trains the r-th slice of every global batch that the baseline accumulates, "
+        "each rank normalises its loss by its own targets as the baseline does per accumulated batch, and "
+        "BatchNorm statistics are merged as the baseline updates them (without SyncBN), so they differ in the rank "
+        "count alone (train.warmup_accumulate: ramp would add a difference during warm-up). Δ mAP = N-GPU − "
+        "baseline of the same seed; with two or more seeds the mean Δ gets a 95 % confidence interval from "
+        "Student's t on the per-seed differences (scipy.stats).",
+        f"Time to accuracy: training wall-clock (validation excluded) until the first validation during training "
+        f"(every {cfg.train.val_interval} epoch(s), EMA weights) reaches {cfg.eval.tta_fraction:.0%} of the final "
+        "mAP@0.5:0.95 of the baseline run of the same seed; its speed-up is the baseline's time over the run's. "
+        + ("Without validation during training (train.val_interval 0) it is not measured."
+           if cfg.train.val_interval == 0 else ""),
         placement_note(cfg, rows),
     ]
 
@@ -151,6 +161,9 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     cfg = dsconfig.load(config_path)
     runs = [tables.load_run(d, cfg) for d in run_dirs]
     rows = tables.scaling_rows(runs)
+    curves = {r.point.run_id: accuracy.validation_curve(r.metrics) for r in runs}
+    accuracy.add_time_to_target(rows, curves, cfg.eval.tta_fraction)
+    deltas = accuracy.paired_deltas(rows)
     envs = {r.point.run_id: r.env for r in runs}
     notes = [device_note(rows, cfg, envs)]
     env_note = environment_note(envs)
@@ -162,7 +175,7 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".plots-") as tmp:
-        drawn = plots.make_plots(rows, tmp)
+        drawn = plots.make_plots(rows, tmp, deltas=deltas, curves=curves)
         plot_dir = out / "plots"
         plot_dir.mkdir(exist_ok=True)
         plot_paths = {}
@@ -174,10 +187,11 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     tmp_csv = tables.write_csv(rows, out / ".scaling.csv.tmp")
     os.replace(tmp_csv, csv_path)
     md_path = out / "scaling.md"
-    _write_atomic(tables.markdown(rows, notes + [methods(rows, cfg)[-1]]) + "\n", md_path)
+    md = tables.markdown(rows, notes + [methods(rows, cfg)[-1]]) + "\n" + "\n".join(accuracy.markdown(deltas))
+    _write_atomic(md + "\n", md_path)
     run_configs = {r.point.run_id: (r.run_dir / "config.yaml").read_text() for r in runs}
     page = html.render(rows, plot_paths, notes, methods(rows, cfg), envs, config_path.read_text(),
-                       str(config_path), run_configs)
+                       str(config_path), run_configs, deltas)
     html_path = out / "index.html"
     _write_atomic(page, html_path)
     log.info("report of %d run(s) written to %s", len(rows), out)

@@ -82,8 +82,9 @@ def render(
     config_text: str,
     config_path: str,
     run_configs: Mapping[str, str],
+    deltas: Sequence[Any] = (),
 ) -> str:
-    """The whole page as a string."""
+    """The whole page as a string (``deltas``: :class:`~detscale.report.accuracy.PairedDelta` per point)."""
     from detscale.report.plots import PLOTS
 
     parts = [
@@ -95,7 +96,8 @@ def render(
     ]
     parts += [f'<p class="note">{_e(n)}</p>' for n in notes]
     parts.append("<h2>Results by experiment point</h2>")
-    parts.append("<p>With repeats, each cell is the median and (min–max) over the repeats.</p>")
+    parts.append("<p>With several runs of a point (seeds, repeats), each cell is the median and (min–max) over them."
+                 "</p>")
     for group, entries in tables.summary(rows).items():
         parts.append(f"<h3>{_e(group)}</h3>")
         base = entries[0]["runs"][0]["baseline_gpus"]
@@ -104,11 +106,22 @@ def render(
                          f"relative to {_e(base)} GPUs.</p>")
         header, body = tables.summary_table(entries)
         parts.append(table(header, body))
+    parts.append("<h2>Does DDP cost accuracy?</h2>")
+    if deltas:
+        parts.append("<ul>" + "".join(f"<li>{_e(d.verdict())}</li>" for d in deltas) + "</ul>")
+        header = ["point", "GPUs", "metric", "seeds", "Δ per seed", "mean Δ", "95 % CI"]
+        body = [[d.group, f"{d.gpus} vs {d.baseline_gpus}", d.label, ", ".join(map(str, d.seeds)),
+                 ", ".join(f"{v:+.3f}" for v in d.deltas), f"{d.mean:+.3f}",
+                 "n/a (one seed)" if d.n < 2 else f"{d.low:+.3f}..{d.high:+.3f}"] for d in deltas]
+        parts.append(table(header, body, left=4))
+    else:
+        parts.append("<p>No experiment point has both a baseline and a multi-GPU run: nothing to compare.</p>")
     parts.append("<h2>Plots</h2>")
     parts += [image(path, PLOTS.get(name, name)) for name, path in plots.items()]
     parts.append("<h2>Every run</h2>")
-    cols = ["run", "gpus", "global_batch", "images_per_s", "speedup", "efficiency", "data_wait_share",
-            "peak_mem_gb_per_gpu", "epoch_seconds", "map50", "map50_95", "delta_map50_95_vs_1gpu"]
+    cols = ["run", "gpus", "seed", "global_batch", "images_per_s", "speedup", "efficiency", "data_wait_share",
+            "peak_mem_gb_per_gpu", "epoch_seconds", "map50", "map50_95", "delta_map50_95_vs_1gpu", "time_to_target_s",
+            "time_to_target_speedup"]
     parts.append(table(cols, [[_fmt(r[c]) for c in cols] for r in rows], left=1))
     parts.append("<p>All measured fields: <code>scaling.csv</code> beside this page.</p>")
     parts.append("<h2>How every number was measured</h2><ul>")

@@ -20,6 +20,8 @@ PLOTS = {
     "memory": "Peak memory per GPU",
     "map": "mAP vs GPUs (median, min–max over repeats)",
     "step_time": "Step time split into data wait and compute",
+    "accuracy_pairs": "mAP@0.5:0.95 per seed, baseline vs N GPUs, and the mean difference with its 95 % CI",
+    "time_to_accuracy": "Validation mAP@0.5:0.95 against training time, per GPU count",
 }
 
 
@@ -126,7 +128,8 @@ def plot_step_time(frame, path: Path, gpu_label: str) -> Path:
     import seaborn as sns
 
     data = frame.sort_values(["point", "gpus", "repeat"]).reset_index(drop=True)
-    labels = [f"{r.point}\n{r.gpus} GPU r{r.repeat}" if data["point"].nunique() > 1 else f"{r.gpus} GPU r{r.repeat}"
+    data = data.sort_values(["point", "gpus", "seed", "repeat"]).reset_index(drop=True)
+    labels = [(f"{r.point}\n" if data["point"].nunique() > 1 else "") + f"{r.gpus} GPU s{r.seed} r{r.repeat}"
               for r in data.itertuples()]
     palette = sns.color_palette(n_colors=2)
     fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(data) + 2), 4.2))
@@ -136,11 +139,70 @@ def plot_step_time(frame, path: Path, gpu_label: str) -> Path:
     ax.set_xticks(list(xs), labels, fontsize="small")
     ax.set_ylim(0, float((data["compute_ms"] + data["data_wait_ms"]).max()) * 1.35)  # room for the legend
     ax.legend(fontsize="small", loc="upper left")
-    xlabel = "run (CPU ranks, repeat)" if gpu_label != "GPUs" else "run (GPUs, repeat)"
+    xlabel = "run (CPU ranks, seed, repeat)" if gpu_label != "GPUs" else "run (GPUs, seed, repeat)"
     return _finish(fig, ax, path, PLOTS["step_time"], xlabel, "time per training step (ms)")
 
 
-def make_plots(rows: Sequence[Mapping[str, Any]], out_dir: str | Path) -> dict[str, Path]:
+def plot_accuracy_pairs(deltas: Sequence[Any], path: Path, gpu_label: str) -> Path:
+    """Left: each seed's baseline and N-GPU mAP@0.5:0.95 joined by a line; right: mean Δ and its 95 % CI."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    pairs = [d for d in deltas if d.metric == "map50_95"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    palette = sns.color_palette(n_colors=max(len(pairs), 1))
+    labels = []
+    for i, d in enumerate(pairs):
+        label = f"{d.group}: {d.gpus} vs {d.baseline_gpus}"
+        labels.append(label)
+        for seed, a, b in zip(d.seeds, d.baseline, d.other, strict=True):
+            left.plot([d.baseline_gpus, d.gpus], [a, b], marker="o", color=palette[i], alpha=0.7,
+                      label=label if seed == d.seeds[0] else None)
+        mean = d.mean
+        err = [[mean - d.low], [d.high - mean]] if d.n >= 2 else None
+        right.errorbar([mean], [i], xerr=err, fmt="o", color=palette[i], capsize=4)
+        right.plot(d.deltas, [i] * d.n, "|", color=palette[i], markersize=12, alpha=0.6)
+    right.axvline(0, color="grey", linestyle="--")
+    right.set_yticks(range(len(pairs)), [f"{d.gpus} vs {d.baseline_gpus}" for d in pairs])
+    right.set_ylim(-0.5, max(len(pairs), 1) - 0.5)
+    right.set_title("mean Δ ± 95 % CI (| one seed)", fontsize="medium")
+    right.set_xlabel("Δ mAP@0.5:0.95 (N GPUs − baseline)")
+    left.set_ylabel("mAP@0.5:0.95 (one line per seed)")
+    if pairs:
+        left.legend(fontsize="small")
+        _gpu_ticks(left, [g for d in pairs for g in (d.gpus, d.baseline_gpus)])
+    return _finish(fig, left, path, "mAP per seed: baseline vs N GPUs", gpu_label, left.get_ylabel())
+
+
+def plot_time_to_accuracy(frame, curves: Mapping[str, Sequence[tuple[int, float, float]]], path: Path,
+                          gpu_label: str) -> Path:
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    gpus_values = sorted(frame["gpus"].unique())
+    palette = dict(zip(gpus_values, sns.color_palette(n_colors=len(gpus_values)), strict=True))
+    seen: set[int] = set()
+    for r in frame.itertuples():
+        curve = curves.get(r.run, ())
+        if not curve:
+            continue
+        ax.plot([c[1] for c in curve], [c[2] for c in curve], marker=".", color=palette[r.gpus], alpha=0.8,
+                label=f"{r.gpus} GPU{'s' if r.gpus > 1 else ''}" if r.gpus not in seen else None)
+        seen.add(r.gpus)
+        if r.time_to_target_s == r.time_to_target_s:  # not nan
+            ax.plot([r.time_to_target_s], [r.tta_target_map50_95], marker="x", color=palette[r.gpus], markersize=9)
+    if not seen:
+        ax.text(0.5, 0.5, "no validation during training\n(train.val_interval: 0)", ha="center", va="center",
+                transform=ax.transAxes)
+    else:
+        ax.legend(fontsize="small")
+    return _finish(fig, ax, path, "Time to accuracy (x: target reached)", "training time (s, validation excluded)",
+                   "validation mAP@0.5:0.95 (EMA)")
+
+
+def make_plots(rows: Sequence[Mapping[str, Any]], out_dir: str | Path, deltas: Sequence[Any] = (),
+               curves: Mapping[str, Sequence[tuple[int, float, float]]] | None = None) -> dict[str, Path]:
     """Write every plot as ``out_dir/<name>.png``; returns name -> path in :data:`PLOTS` order."""
     import matplotlib
 
@@ -163,4 +225,6 @@ def make_plots(rows: Sequence[Mapping[str, Any]], out_dir: str | Path) -> dict[s
     for name, maker in makers.items():
         paths[name] = maker(frame, out / f"{name}.png", gpu_label)
         log.debug("wrote %s", paths[name])
+    paths["accuracy_pairs"] = plot_accuracy_pairs(deltas, out / "accuracy_pairs.png", gpu_label)
+    paths["time_to_accuracy"] = plot_time_to_accuracy(frame, curves or {}, out / "time_to_accuracy.png", gpu_label)
     return paths

@@ -8,7 +8,8 @@ design's measurement rules:
   except the GPU count); the baseline is the 1-GPU run (the median over its repeats), or the
   smallest GPU count of the group when it has no 1-GPU run;
 - efficiency = speed-up / (N / baseline GPUs), which is speed-up / N for a 1-GPU baseline;
-- delta mAP = mAP(run) - median mAP of the baseline runs.
+- delta mAP = mAP(run) - mAP of the baseline run(s) of the same seed (the pair that differs only
+  in the rank count; median over repeats), or of all baseline runs when none has its seed.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ CONTRACT_COLUMNS = (
     "epoch_seconds", "map50", "map50_95", "delta_map50_95_vs_1gpu",
 )
 EXTRA_COLUMNS = (
-    "group", "nodes", "scaling", "epochs", "backend", "baseline_gpus", "images_per_s_rank_min",
+    "seed", "group", "nodes", "scaling", "epochs", "backend", "baseline_gpus", "images_per_s_rank_min",
     "images_per_s_rank_max", "compute_share", "step_ms", "data_wait_ms", "compute_ms", "mem_kind",
     "epoch_seconds_first", "train_seconds", "val_seconds", "warmup_steps", "measured_steps", "map75",
-    "map_small", "map_medium", "map_large", "ar100", "delta_map50_vs_1gpu", "num_images", "started_at",
-    "finished_at", "run_dir",
+    "map_small", "map_medium", "map_large", "ar100", "delta_map50_vs_1gpu", "num_images", "tta_target_map50_95",
+    "time_to_target_s", "time_to_target_speedup", "started_at", "finished_at", "run_dir",
 )
 COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 
@@ -68,6 +69,7 @@ class RunArtifacts:
     evaluation: dict[str, Any]
     env: dict[str, Any]
     run_config: dict[str, Any]
+    metrics: list[dict[str, Any]]  # metrics.jsonl: one row per epoch (validation mAP where validated)
 
 
 def _read_json(path: Path, required: Iterable[str], what: str) -> dict[str, Any]:
@@ -126,7 +128,23 @@ def load_run(run_dir: str | Path, cfg: dsconfig.ExperimentConfig | None = None) 
             f"{run_dir / 'timing.json'} says world_size {timing['world_size']} but run '{run_id}' asks for "
             f"{point.gpus} GPUs; the folder holds another run's results: delete it and re-run"
         )
-    return RunArtifacts(run_dir, point, timing, evaluation, env, run_config)
+    return RunArtifacts(run_dir, point, timing, evaluation, env, run_config, _read_metrics(run_dir / "metrics.jsonl"))
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The epoch rows of ``metrics.jsonl`` (empty when the file is missing)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ReportError(f"{path} line {number} is not valid JSON ({exc}); delete the run folder and re-run it") \
+                from None
+    return rows
 
 
 def _median(values: Sequence[float]) -> float:
@@ -159,6 +177,7 @@ def run_row(run: RunArtifacts) -> dict[str, Any]:
         "cache": p.cache,
         "precision": p.precision,
         "repeat": p.repeat,
+        "seed": p.seed,
         "images_per_s": ips,
         "images_per_s_per_gpu": ips / p.gpus,
         "speedup": math.nan,
@@ -195,6 +214,9 @@ def run_row(run: RunArtifacts) -> dict[str, Any]:
         "ar100": _as_float(e["ar100"]),
         "delta_map50_vs_1gpu": math.nan,
         "num_images": int(e["num_images"]),
+        "tta_target_map50_95": math.nan,
+        "time_to_target_s": math.nan,
+        "time_to_target_speedup": math.nan,
         "started_at": _as_float(t.get("started_at")),
         "finished_at": _as_float(t.get("finished_at")),
         "run_dir": str(run.run_dir),
@@ -212,14 +234,13 @@ def add_relative(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             log.warning("group %s has no 1-GPU run; speed-ups are relative to %d GPUs", group, base_gpus)
         base = [r for r in members if r["gpus"] == base_gpus]
         base_ips = _median([r["images_per_s"] for r in base])
-        base_map = _median([r["map50_95"] for r in base])
-        base_map50 = _median([r["map50"] for r in base])
         for r in members:
+            paired = [b for b in base if b["seed"] == r["seed"]] or base
             r["baseline_gpus"] = base_gpus
             r["speedup"] = r["images_per_s"] / base_ips if base_ips > 0 else math.nan
             r["efficiency"] = r["speedup"] / (r["gpus"] / base_gpus)
-            r["delta_map50_95_vs_1gpu"] = r["map50_95"] - base_map
-            r["delta_map50_vs_1gpu"] = r["map50"] - base_map50
+            r["delta_map50_95_vs_1gpu"] = r["map50_95"] - _median([b["map50_95"] for b in paired])
+            r["delta_map50_vs_1gpu"] = r["map50"] - _median([b["map50"] for b in paired])
     return rows
 
 
@@ -230,7 +251,7 @@ def scaling_rows(runs: Sequence[RunArtifacts]) -> list[dict[str, Any]]:
     if dupes:
         raise ReportError(f"run(s) {', '.join(dupes)} given more than once; pass each run folder once")
     rows = add_relative([run_row(r) for r in runs])
-    return sorted(rows, key=lambda r: (r["group"], r["gpus"], r["repeat"]))
+    return sorted(rows, key=lambda r: (r["group"], r["gpus"], r["seed"], r["repeat"]))
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
@@ -245,7 +266,7 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
 
 @dataclass(frozen=True)
 class Stat:
-    """Median and range of one quantity over the repeats of one point."""
+    """Median and range of one quantity over the runs (seeds and repeats) of one point."""
 
     median: float
     low: float
@@ -305,7 +326,7 @@ def summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]
 
 def summary_table(entries: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Header and formatted cells of one group's human table."""
-    header = ["GPUs", "global batch", "repeats"] + [h for h, _, _ in SUMMARY_FIELDS]
+    header = ["GPUs", "global batch", "runs"] + [h for h, _, _ in SUMMARY_FIELDS]
     body = []
     for e in entries:
         cells = [str(e["gpus"]), str(e["global_batch"]), str(len(e["runs"]))]
@@ -315,7 +336,7 @@ def summary_table(entries: Sequence[Mapping[str, Any]]) -> tuple[list[str], list
 
 
 def markdown(rows: Sequence[Mapping[str, Any]], notes: Sequence[str] = ()) -> str:
-    """``scaling.md``: one table per experiment point (group); repeats as median (min–max)."""
+    """``scaling.md``: one table per experiment point (group); several runs (seeds, repeats) as median (min–max)."""
     lines = ["# Scaling results", ""]
     lines += [f"- {n}" for n in notes]
     if notes:
