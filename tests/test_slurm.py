@@ -171,6 +171,7 @@ grid:
   epochs: 4
 train:
   warmup_epochs: 0
+  nominal_batch: 4  # one global batch per optimiser step: 16 images make 4
   close_mosaic: 0
   workers: 0
   cpu_threads_per_rank: 1
@@ -255,7 +256,7 @@ TINY = {
                                               "object_size": [0.2, 0.5]}},
     "grid": {"model": ["gelan-t"], "imgsz": [64], "gpus": [1, 2], "batch": [2], "cache": ["disk"],
              "precision": ["fp32"], "repeats": 1, "epochs": 1, "seed": 0},
-    "train": {"warmup_epochs": 0, "close_mosaic": 0, "workers": 0, "timing_warmup_steps": 1},
+    "train": {"warmup_epochs": 0, "close_mosaic": 0, "workers": 0, "timing_warmup_steps": 1, "nominal_batch": 4},
     "augment": {"mosaic": 0.0},
     "eval": {"batch": 4},
 }
