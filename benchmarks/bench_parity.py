@@ -194,8 +194,13 @@ def steady_epoch_seconds(epoch_seconds: list[float]) -> float:
     return statistics.median(epoch_seconds[1:] if len(epoch_seconds) > 1 else epoch_seconds)
 
 
-def images_per_epoch(args: argparse.Namespace) -> int:
-    return (args.train // args.batch) * args.batch  # both trainers drop the last partial batch
+def images_per_epoch(args: argparse.Namespace, trainer: str) -> int:
+    """Images one epoch trains: Ultralytics drops the last partial batch (and carries the accumulation
+    across epochs); detscale trains whole optimiser steps (nominal batch 64) only."""
+    if trainer == "ultralytics":
+        return (args.train // args.batch) * args.batch
+    step = args.batch * max(round(64 / args.batch), 1)
+    return (args.train // step) * step
 
 
 def lr0_auto(nc: int) -> float:
@@ -228,8 +233,8 @@ def train_detscale(data_yaml: Path, gt: Path, epochs: int, seed: int, work: Path
     epoch_s = steady_epoch_seconds(timing["epoch_seconds"])
     record = {"trainer": variant_name(args), "model": args.model, "set": args.set,
               "epochs": epochs, "seed": seed,
-              "images_per_s": images_per_epoch(args) / epoch_s, "epoch_seconds": epoch_s,
-              "steady_images_per_s": timing["images_per_s"],
+              "images_per_s": images_per_epoch(args, "detscale") / epoch_s, "epoch_seconds": epoch_s,
+              "images_per_epoch": images_per_epoch(args, "detscale"), "steady_images_per_s": timing["images_per_s"],
               "train_wall_s": train_s, "map50": ev["map50"], "map50_95": ev["map50_95"]}
     result.write_text(json.dumps(record, indent=2))
     return record
@@ -286,7 +291,8 @@ def train_ultralytics(data_yaml: Path, gt: Path, epochs: int, seed: int, work: P
     ev = evaluate_files(gt, preds)
     epoch_s = steady_epoch_seconds(meta["epoch_times"])
     record = {"trainer": "ultralytics", "model": args.ultralytics_model, "epochs": epochs, "seed": seed,
-              "images_per_s": images_per_epoch(args) / epoch_s, "epoch_seconds": epoch_s,
+              "images_per_s": images_per_epoch(args, "ultralytics") / epoch_s, "epoch_seconds": epoch_s,
+              "images_per_epoch": images_per_epoch(args, "ultralytics"),
               "train_wall_s": meta["train_seconds"], "map50": ev["map50"], "map50_95": ev["map50_95"],
               "lr0": meta["lr0"], "optimizer": meta["optimizer"], "params": meta["params"]}
     result.write_text(json.dumps(record, indent=2))
@@ -368,6 +374,10 @@ def main() -> int:
                       f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     # every finished run of this dataset, earlier invocations (other variants) included
     records = [json.loads(f.read_text()) for f in sorted((work / f"d{args.data_seed}").glob("*/e*_s*/parity.json"))]
+    for r in records:  # img/s from what each epoch trains (records of older versions lack the count)
+        kind = "ultralytics" if r["trainer"] == "ultralytics" else "detscale"
+        r.setdefault("images_per_epoch", images_per_epoch(args, kind))
+        r["images_per_s"] = r["images_per_epoch"] / r["epoch_seconds"]
     text = summarise(records, args)
     (work / "summary.json").write_text(json.dumps({"settings": vars(args) | {"work": str(work)}, "records": records},
                                                   indent=2, default=str))
