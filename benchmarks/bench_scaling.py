@@ -9,6 +9,10 @@ excluded) and the data-wait share. Prints a table and writes ``summary.json`` in
 
 Scaling efficiency = throughput(2) / (2 x throughput(1)); the target on two free cores is >= 0.85.
 The load average before and after is printed: other processes on the cores lower the figure.
+
+``--overhead`` measures what the step breakdown (``train.step_breakdown``: marks per phase, the
+DDP communication hook) costs: every rank count trains with it on and off, alternating trial by
+trial, and the table shows both throughputs and their ratio (goal: within 2 %).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ train:
   workers: {workers}
   cpu_threads_per_rank: 1
   timing_warmup_steps: {warmup_steps}
+  step_breakdown: {breakdown}
 """
 
 
@@ -58,6 +63,8 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=1, help="loader workers per rank")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps per epoch left out of the throughput")
     p.add_argument("--repeats", type=int, default=1, help="trials of each configuration (median reported)")
+    p.add_argument("--overhead", action="store_true",
+                   help="train every rank count with the step breakdown on and off, side by side")
     args = p.parse_args()
 
     work = args.work.resolve()
@@ -69,23 +76,29 @@ def main() -> int:
     cache = work / "cache"
     detscale("cache", "--data", str(data / "data.yaml"), "--split", "train", "--imgsz", str(args.imgsz),
              "--out", str(cache), cwd=work)
-    cfg = work / "config.yaml"
-    cfg.write_text(CONFIG.format(data_yaml=data / "data.yaml", model=args.model, imgsz=args.imgsz, batch=args.batch,
-                                 epochs=args.epochs, workers=args.workers, warmup_steps=args.warmup_steps))
+    configs = {}
+    for breakdown in ((True, False) if args.overhead else (True,)):
+        configs[breakdown] = work / f"config-breakdown-{'on' if breakdown else 'off'}.yaml"
+        configs[breakdown].write_text(CONFIG.format(
+            data_yaml=data / "data.yaml", model=args.model, imgsz=args.imgsz, batch=args.batch, epochs=args.epochs,
+            workers=args.workers, warmup_steps=args.warmup_steps, breakdown=str(breakdown).lower()))
     load_before = os.getloadavg()
     trials: dict[int, list[dict]] = {1: [], 2: []}
-    # Alternate 1, 2, 1, 2, ...: a load change from other processes then hits both alike.
+    off_trials: dict[int, list[dict]] = {1: [], 2: []}
+    # Alternate 1, 2, 1, 2, ... (and on, off): a load change from other processes then hits all alike.
     for _ in range(args.repeats):
         for ranks in (1, 2):
-            run = f"{args.model}_{args.imgsz}_g{ranks}_b{args.batch}_disk_fp32_s0_r0"
-            out = work / "runs" / run
-            shutil.rmtree(out, ignore_errors=True)
-            t0 = time.perf_counter()
-            detscale("launch", "--gpus", str(ranks), "--threads", "1", "--", "train", "--config", str(cfg), "--run",
-                     run, "--out", str(out), "--data", str(data / "data.yaml"), "--cache-dir", str(cache), cwd=work)
-            timing = json.loads((out / "timing.json").read_text())
-            timing["wall_seconds"] = time.perf_counter() - t0
-            trials[ranks].append(timing)
+            for breakdown, cfg in configs.items():
+                run = f"{args.model}_{args.imgsz}_g{ranks}_b{args.batch}_disk_fp32_s0_r0"
+                out = work / "runs" / run
+                shutil.rmtree(out, ignore_errors=True)
+                t0 = time.perf_counter()
+                detscale("launch", "--gpus", str(ranks), "--threads", "1", "--", "train", "--config", str(cfg),
+                         "--run", run, "--out", str(out), "--data", str(data / "data.yaml"), "--cache-dir", str(cache),
+                         cwd=work)
+                timing = json.loads((out / "timing.json").read_text())
+                timing["wall_seconds"] = time.perf_counter() - t0
+                (trials if breakdown else off_trials)[ranks].append(timing)
     load_after = os.getloadavg()
     # the median trial by throughput of each configuration
     results = {r: sorted(ts, key=lambda t: t["images_per_s"])[len(ts) // 2] for r, ts in trials.items()}
@@ -117,6 +130,18 @@ def main() -> int:
     for ranks, ts in trials.items():
         values = ", ".join(f"{t['images_per_s']:.1f}" for t in ts)
         sys.stdout.write(f"trials, {ranks} rank(s): {values} img/s\n")
+    if args.overhead:
+        summary["overhead"] = []
+        sys.stdout.write("\nstep breakdown on vs off (median img/s over the trials, alternated):\n"
+                         f"{'ranks':>5} {'on':>8} {'off':>8} {'on/off':>7}   trials on | off\n")
+        for ranks in (1, 2):
+            on = sorted(t["images_per_s"] for t in trials[ranks])
+            off = sorted(t["images_per_s"] for t in off_trials[ranks])
+            m_on, m_off = on[len(on) // 2], off[len(off) // 2]
+            summary["overhead"].append({"ranks": ranks, "on": on, "off": off, "ratio": m_on / m_off})
+            sys.stdout.write(f"{ranks:>5} {m_on:>8.1f} {m_off:>8.1f} {m_on / m_off:>7.3f}   "
+                             f"{', '.join(f'{v:.1f}' for v in on)} | {', '.join(f'{v:.1f}' for v in off)}\n")
+        (work / "summary.json").write_text(json.dumps(summary, indent=2))
     sys.stdout.write(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)\n")
     return 0
 

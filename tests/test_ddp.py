@@ -281,6 +281,18 @@ def test_full_two_rank_run_identical_ranks_and_rank0_writes(tmp_path: Path, data
     assert timing["images_per_s"] == pytest.approx(sum(timing["images_per_s_per_rank"]))
     assert timing["images_per_s"] > 0 and timing["measured_steps"] == 2 * (10 - 1)
     assert timing["data_wait_share"] + timing["compute_share"] == pytest.approx(1.0)
+    # the step breakdown: the phases add up to the step, and the gradient all-reduce shows as exposed time
+    from detscale.engine.timing import PHASES
+
+    breakdown = timing["step_breakdown_ms"]
+    assert list(breakdown) == list(PHASES) and len(timing["step_breakdown_ms_per_rank"]) == 2
+    assert all(v >= 0 for v in breakdown.values()) and breakdown["comm"] > 0 and breakdown["backward"] > 0
+    for rank, parts in enumerate(timing["step_breakdown_ms_per_rank"]):
+        step_ms = 1000 * timing["global_batch"] / 2 / timing["images_per_s_per_rank"][rank]
+        assert sum(parts.values()) == pytest.approx(step_ms, rel=1e-6)
+    # the CPU demand the projection's roofline reads: the rank's process per step, its loader workers per image
+    assert 0 < timing["cpu_ms_per_step"] < 10 * step_ms
+    assert timing["loader_cpu_ms_per_image"] > 0  # 1 worker per rank
     assert len(timing["epoch_seconds"]) == 2 and timing["val_seconds"] > 0
     assert all(m > 0 for m in timing["peak_mem_bytes_per_rank"])
     env = json.loads((out / "env.json").read_text())

@@ -165,7 +165,37 @@ def test_cli_busy_port_fails_before_start(tmp_path: Path) -> None:
 def test_cli_needs_train_after_the_separator(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "detscale", "launch", "--gpus", "1", "--", "evaluate"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "expected `-- train ARGS`" in out.stderr
+    assert out.returncode == 2 and "expected `-- train ARGS` or `-- comm ARGS`" in out.stderr
+
+
+def test_comm_benchmark_on_two_cpu_ranks(tmp_path: Path) -> None:
+    """`launch -- comm`: DDP's buckets of the model's whole gradient, timed on 2 gloo ranks, figures as nccl-tests."""
+    from detscale.model import build_model
+    from helpers import tiny_dataset
+
+    data = tiny_dataset(tmp_path / "data", train=2, val=1)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CONFIG.format(batch=2, scaling="weak"))
+    out_json = tmp_path / "comm" / "gelan-t_64_g2.json"
+    args = ["--config", str(cfg), "--model", "gelan-t", "--imgsz", "64", "--data", str(data), "--out", str(out_json),
+            "--iters", "3"]
+    refused = subprocess.run([sys.executable, "-m", "detscale", "launch", "--gpus", "2", "--resume-stash",
+                              str(tmp_path / "stash"), "--", "comm", *args], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "nothing to resume" in refused.stderr
+    out = subprocess.run([sys.executable, "-m", "detscale", "launch", "--gpus", "2", "--threads", "1", "--", "comm",
+                          *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out_json.read_text())
+    nc = 6  # the synthetic dataset's classes
+    grads = sum(p.numel() * 4 for p in build_model("gelan-t", nc).parameters() if p.requires_grad)
+    assert result["world_size"] == 2 and result["backend"] == "gloo" and result["device"] == "cpu"
+    assert sum(result["bucket_bytes"]) == result["gradient_bytes"] == grads
+    assert result["time_ms"] > 0 and len(result["sweep"]) == 8
+    # nccl-tests: busbw = algbw x 2 (n - 1) / n, which is 1 for 2 ranks
+    assert result["busbw_GBps"] == pytest.approx(result["algbw_GBps"])
+    assert result["algbw_GBps"] == pytest.approx(grads / (result["time_ms"] / 1000) / 1e9)
+    assert result["fit"]["busbw_GBps"] > 0
+    assert "all-reduce of" in out.stdout and "GB/s" in out.stdout
 
 
 def test_sigterm_is_forwarded_and_gives_the_requeue_code(tmp_path: Path) -> None:

@@ -151,3 +151,29 @@ def test_opencv_is_single_threaded_so_forked_workers_cannot_deadlock() -> None:
     import detscale.data.dataset  # noqa: F401
 
     assert cv2.getNumThreads() == 1
+
+
+class _Busy(torch.utils.data.Dataset):
+    """Items that cost CPU time to make."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        x = torch.zeros(1)
+        for _ in range(20):
+            x = x + torch.rand(200, 200).sum()
+        return x
+
+
+def test_worker_cpu_seconds_counts_the_workers_not_the_rank():
+    from detscale.data.loader import worker_cpu_seconds
+
+    loader = torch.utils.data.DataLoader(_Busy(), batch_size=2, num_workers=1, persistent_workers=True)
+    assert worker_cpu_seconds(loader) is None  # no workers yet
+    list(loader)
+    first = worker_cpu_seconds(loader)
+    assert first is not None and first > 0
+    list(loader)  # persistent workers: the count goes on
+    assert worker_cpu_seconds(loader) >= first
+    assert worker_cpu_seconds(torch.utils.data.DataLoader(_Busy(), batch_size=2)) is None  # no workers at all

@@ -137,7 +137,7 @@ def test_report_files(repeated, tmp_path: Path):
     assert "CPU rank" in md and "GPU was used" in md
 
     assert set(files.plots) == {"throughput", "efficiency", "memory", "map", "step_time", "accuracy_pairs",
-                                "time_to_accuracy"}
+                                "time_to_accuracy", "projection"}
     for path in files.plots.values():
         assert path.read_bytes()[:8] == PNG_SIGNATURE
         pixels = matplotlib.image.imread(path)
@@ -148,7 +148,7 @@ def test_report_files(repeated, tmp_path: Path):
     srcs = re.findall(r"""(?:src|href)\s*=\s*["']([^"']*)""", page)
     assert srcs and all(s.startswith("data:image/png;base64,") for s in srcs)
     assert "<link" not in page and "<script" not in page and "@import" not in page
-    assert page.count("data:image/png;base64,") == 7
+    assert page.count("data:image/png;base64,") == 8
     assert "No GPU was used" in page and "CPU rank" in page
     assert "warm-up steps are excluded" in page
     assert "Memory format: contiguous (NCHW)" in page  # the layout changes throughput: it is said

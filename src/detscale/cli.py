@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "model": "model information: parameters and GFLOPs (`detscale model info NAME`)",
     "launch": "claim GPU slots and start `torchrun` for `detscale train`",
     "train": "train one run of the grid (every rank runs this)",
+    "comm": "time the all-reduce of a model's gradient on N ranks (run it under `detscale launch`)",
     "evaluate": "COCO mAP of a trained run",
     "report": "scaling tables, plots and index.html from finished runs",
     "runs": "list the run ids of a config's grid",

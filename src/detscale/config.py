@@ -17,7 +17,7 @@ import itertools
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,7 @@ class TrainConfig:
     workers: int = 2
     cpu_threads_per_rank: int = 1
     timing_warmup_steps: int = 5
+    step_breakdown: bool = True
     val_interval: int = 0
     box_gain: float = 7.5
     cls_gain: float = 0.5
@@ -227,6 +228,37 @@ class EvalConfig:
 @dataclass(frozen=True)
 class PlacementConfig:
     allow_overlap: bool = False
+
+
+#: Built-in fabrics of the scaling projection: all-reduce latency and bus bandwidth (nccl-tests'
+#: busbw, large messages) that a well-set-up system reaches, with the source of each figure.
+FABRICS: dict[str, dict[str, Any]] = {
+    "nvlink4": {"latency_us": 15.0, "busbw_GBps": 360.0,
+                "source": "NVLink 4 (H100 SXM), 450 GB/s per direction per GPU (NVIDIA H100 datasheet); "
+                          "nccl-tests all_reduce_perf busbw ~360 GB/s on 8x H100 without NVLS (NVIDIA NCCL "
+                          "performance notes); latency: small-message all-reduce ~15 us"},
+    "pcie4": {"latency_us": 20.0, "busbw_GBps": 20.0,
+              "source": "PCIe 4.0 x16: 31.5 GB/s per direction (PCI-SIG); ring all-reduce through the host "
+                        "bridge reaches ~2/3 of it in nccl-tests"},
+    "pcie5": {"latency_us": 20.0, "busbw_GBps": 40.0,
+              "source": "PCIe 5.0 x16: 63 GB/s per direction (PCI-SIG); ~2/3 of it as for PCIe 4.0"},
+    "ib100": {"latency_us": 30.0, "busbw_GBps": 11.5,
+              "source": "InfiniBand EDR/HDR100, 100 Gb/s = 12.5 GB/s per port (IBTA); ~92 % of line rate "
+                        "in nccl-tests across nodes with one NIC per node"},
+    "ib200": {"latency_us": 30.0, "busbw_GBps": 23.0,
+              "source": "InfiniBand HDR, 200 Gb/s = 25 GB/s per port (IBTA); ~92 % of line rate"},
+    "ib400": {"latency_us": 30.0, "busbw_GBps": 46.0,
+              "source": "InfiniBand NDR, 400 Gb/s = 50 GB/s per port (IBTA); ~92 % of line rate"},
+}
+
+
+@dataclass(frozen=True)
+class ProjectionConfig:
+    gpus_per_node: tuple[int, ...] = (1, 2, 4, 8)
+    nodes: tuple[int, ...] = (1, 2, 4, 8)
+    intra_node: str = "measured"
+    inter_node: str = "ib200"
+    fabrics: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(FABRICS))
 
 
 @dataclass(frozen=True)
@@ -279,6 +311,7 @@ class ExperimentConfig:
     augment: AugmentConfig
     eval: EvalConfig
     placement: PlacementConfig
+    projection: ProjectionConfig = field(default_factory=ProjectionConfig)
     source: str = "config"
 
     def runs(self) -> list[RunPoint]:
@@ -349,6 +382,13 @@ def _semantic_checks(cfg: ExperimentConfig, base: Path) -> None:
                     f"'grid.batch': got global batch {b} with {n} GPUs and scaling 'strong'; the global batch "
                     f"must divide evenly by the GPU count (for example {math.ceil(b / n) * n})"
                 )
+    pr = cfg.projection
+    names = ", ".join(sorted(pr.fabrics))
+    if pr.intra_node != "measured" and pr.intra_node not in pr.fabrics:
+        problems.append(f"'projection.intra_node': got {pr.intra_node!r}; use 'measured' or one of projection.fabrics: "
+                        f"{names}")
+    if pr.inter_node not in pr.fabrics:
+        problems.append(f"'projection.inter_node': got {pr.inter_node!r}; use one of projection.fabrics: {names}")
     if problems:
         raise ConfigError(f"invalid configuration in {cfg.source}:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -366,6 +406,7 @@ def from_dict(raw: Mapping[str, Any], source: str = "config", base: str | Path =
         augment=_build(AugmentConfig, data["augment"]),
         eval=_build(EvalConfig, data["eval"]),
         placement=_build(PlacementConfig, data["placement"]),
+        projection=_build(ProjectionConfig, data["projection"]),
         source=source,
     )
     _semantic_checks(cfg, Path(base))

@@ -28,7 +28,13 @@ CONDA_ENV = "../../environment.yml"
 RUNS = [point.run_id for point in CFG.runs()]
 RUN_DIR = "results/runs/{run}"
 REPORT_DIR = "results/report"
-REPORT_PLOTS = ["throughput", "efficiency", "memory", "map", "step_time", "accuracy_pairs", "time_to_accuracy"]
+COMM_DIR = "results/comm"
+# (model, imgsz, gpus) of every single-node grid point with 2 or more ranks: one all-reduce benchmark each.
+COMM_POINTS = sorted({(p.model, p.imgsz, p.gpus) for p in CFG.runs() if p.gpus > 1 and p.nodes == 1})
+COMM_FILES = [f"{COMM_DIR}/{m}_{s}_g{g}.json" for m, s, g in COMM_POINTS]
+REPORT_PLOTS = [
+    "throughput", "efficiency", "memory", "map", "step_time", "accuracy_pairs", "time_to_accuracy", "projection",
+]
 
 wildcard_constraints:
     run="|".join(re.escape(r) for r in RUNS),

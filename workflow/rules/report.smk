@@ -20,6 +20,7 @@ rule report:
         evaluation=run_files("eval.json"),
         env=run_files("env.json"),
         run_config=run_files("config.yaml"),
+        comm=COMM_FILES,
     output:
         html=report(f"{REPORT_DIR}/index.html", caption="../report/index.rst", category="Report"),
         csv=report(f"{REPORT_DIR}/scaling.csv", caption="../report/scaling.rst", category="Tables"),
@@ -39,4 +40,4 @@ rule report:
         "results/benchmarks/report.tsv"
     localrule: True
     shell:
-        "detscale report --runs {params.runs} --config {input.config} --out {params.out} > {log} 2>&1"
+        "detscale report --runs {params.runs} --config {input.config} --comm {input.comm} --out {params.out} > {log} 2>&1"

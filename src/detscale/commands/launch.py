@@ -1,6 +1,7 @@
 """Claim GPU slots (or CPU ranks), pick a rendezvous port and run ``torchrun`` for ``detscale train``.
 
-Usage: ``detscale launch --gpus N [--nodes M] [--threads T] [--max-restarts R] [--resume-stash DIR] -- train ARGS``.
+Usage: ``detscale launch --gpus N [--nodes M] [--threads T] [--max-restarts R] [--resume-stash DIR] -- train ARGS``,
+or ``-- comm ARGS`` for the all-reduce benchmark on the same ranks.
 The train arguments are checked first (config, run id, GPU count, batch divisibility), so a
 mistake is reported before any rank starts. Exit code: torchrun's, or 75 after a SIGTERM
 (the run saved ``weights/last.pt``; rerun the same command to resume).
@@ -28,20 +29,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-stash", default=None, metavar="DIR",
                         help="keep the checkpoint of a failed or preempted run in DIR and put it back on the "
                              "next start (for workflows that delete a job's outputs before rerunning it)")
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="-- train ARGS")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="-- train ARGS (or -- comm ARGS)")
 
 
-def _train_argv(rest: list[str]) -> list[str]:
+#: the commands every rank can run under ``detscale launch``
+RANK_COMMANDS = ("train", "comm")
+
+
+def _rank_argv(rest: list[str]) -> list[str]:
     argv = rest[1:] if rest[:1] == ["--"] else rest
-    if argv[:1] != ["train"]:
-        raise UserError(f"expected `-- train ARGS` after the launch options, got {' '.join(rest) or 'nothing'}; "
-                        "e.g. detscale launch --gpus 2 -- train --config C --run RUN --out DIR")
+    if argv[:1] not in ([c] for c in RANK_COMMANDS):
+        raise UserError(f"expected `-- train ARGS` or `-- comm ARGS` after the launch options, got "
+                        f"{' '.join(rest) or 'nothing'}; e.g. detscale launch --gpus 2 -- train --config C "
+                        "--run RUN --out DIR")
     return argv
+
+
+def _parse(module, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"detscale {argv[0]}", exit_on_error=False)
+    module.add_arguments(parser)
+    try:
+        return parser.parse_args(argv[1:])
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise UserError(f"invalid {argv[0]} arguments {' '.join(argv[1:])!r}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from detscale import config
+    from detscale.commands import comm as comm_cmd
     from detscale.commands import train as train_cmd
     from detscale.engine.semantics import check_run_request, config_digest
     from detscale.launch import LaunchError, LaunchRequest, launch
@@ -49,14 +66,15 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
         raise LaunchError(f"--gpus {args.gpus} --nodes {args.nodes}: both must be >= 1 and the GPUs must "
                           "divide evenly over the nodes")
-    argv = _train_argv(list(args.rest))
-    train_parser = argparse.ArgumentParser(prog="detscale train", exit_on_error=False)
-    train_cmd.add_arguments(train_parser)
-    try:
-        train_args = train_parser.parse_args(argv[1:])
-    except (argparse.ArgumentError, SystemExit) as exc:
-        raise UserError(f"invalid train arguments {' '.join(argv[1:])!r}: {exc}") from None
-    cfg, point = check_run_request(train_args.config, train_args.run, world_size=args.gpus)
+    argv = _rank_argv(list(args.rest))
+    if argv[0] == "comm":
+        if args.resume_stash:
+            raise LaunchError("--resume-stash is for training runs; the all-reduce benchmark has nothing to resume")
+        cfg = config.load(_parse(comm_cmd, argv).config)
+        point = None
+    else:
+        train_args = _parse(train_cmd, argv)
+        cfg, point = check_run_request(train_args.config, train_args.run, world_size=args.gpus)
     threads = args.threads if args.threads is not None else cfg.train.cpu_threads_per_rank
     restarts = args.max_restarts if args.max_restarts is not None else cfg.train.max_restarts
     if threads < 1 or restarts < 0:

@@ -30,7 +30,7 @@ def run_config(cfg: config.ExperimentConfig, run_id: str, stage: str = "train") 
     ``train``: everything that changes what or how the run trains. The evaluation settings are
     kept only when the run validates during training (``train.val_interval > 0``) and the
     placement never is, so changing them does not re-train. ``evaluate``: everything. The
-    report's own setting (``eval.tta_fraction``) is in neither.
+    report's own settings (``eval.tta_fraction``, ``projection``) are in neither.
     ``repeats`` is the run's repeat index + 1, so the point stays in the narrowed grid and adding
     repeats leaves the earlier repeats' configs unchanged.
     """
@@ -43,6 +43,7 @@ def run_config(cfg: config.ExperimentConfig, run_id: str, stage: str = "train") 
         cache=[point.cache], precision=[point.precision], seeds=[point.seed], repeats=point.repeat + 1,
     )
     data["eval"].pop("tta_fraction")  # read by the report only
+    data.pop("projection")  # read by the report only
     if stage == "train":
         data.pop("placement")
         if cfg.train.val_interval == 0:

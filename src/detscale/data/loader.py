@@ -19,9 +19,11 @@ duplicates, which would bias COCO metrics).
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -182,3 +184,23 @@ def build_val_loader(
         drop_last=False,
         worker_init_fn=partial(_init_worker, seed=0, rank=rank),
     )
+
+
+def worker_cpu_seconds(loader: DataLoader) -> float | None:
+    """CPU seconds (user + system) the loader's live worker processes have used; ``None`` without them.
+
+    Read from ``/proc/PID/stat`` (Linux); elsewhere, or before the workers start, ``None``.
+    Persistent workers keep their count from epoch to epoch.
+    """
+    workers = getattr(getattr(loader, "_iterator", None), "_workers", None)
+    if not workers:
+        return None
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for worker in workers:
+        try:
+            fields = Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError, ValueError):
+            return None
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
+    return total

@@ -126,7 +126,7 @@ def check_run_request(config_path: str | Path, run_id: str, world_size: int) -> 
 
 #: Train settings that change how a run executes but not what it computes: changing them keeps resume.
 RUNTIME_ONLY = frozenset({"workers", "cpu_threads_per_rank", "timing_warmup_steps", "timeout_s", "max_restarts",
-                          "val_interval"})
+                          "val_interval", "step_breakdown"})
 
 
 def config_digest(cfg: ExperimentConfig, point: RunPoint) -> str:

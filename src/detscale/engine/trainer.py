@@ -65,7 +65,7 @@ from detscale.engine.optim import (
     warmup_iterations,
 )
 from detscale.engine.semantics import TrainSemantics, config_digest, derive_semantics
-from detscale.engine.timing import Clock, RankTiming, peak_memory, timing_report
+from detscale.engine.timing import RankTiming, StepTimer, peak_memory, timing_report
 from detscale.errors import UserError
 from detscale.launch import EXIT_PREEMPTED, refresh_resume_stash
 
@@ -128,6 +128,7 @@ class Parts:
     loss_fn: Any
     amp_dtype: torch.dtype | None
     buffers: SequentialBufferMerge | None  # N ranks without SyncBN: BatchNorm statistics merged per batch
+    comm_probe: CommProbe | None = None  # N ranks with the step breakdown: tells the timer when buckets go
 
 
 @dataclass
@@ -147,11 +148,20 @@ class Progress:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; :meth:`agreed` is the all-ranks decision (collective: call on every rank)."""
+    """Set by SIGTERM/SIGINT; :meth:`agreed` is the all-ranks decision (collective: call on every rank).
+
+    With several ranks the flags are combined by an all-reduce that runs in the background, on a
+    gloo group of its own (CPU tensors: no device synchronisation): :meth:`agreed` returns the
+    result of the all-reduce started at the previous call and starts the next, so the ranks stop
+    together one optimiser step after the signal, and no step waits for the vote.
+    """
 
     def __init__(self) -> None:
         self.requested = False
         self._previous: dict[int, Any] = {}
+        self._group: Any = None
+        self._vote: torch.Tensor | None = None
+        self._work: Any = None
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -161,14 +171,32 @@ class StopFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        self.close()
 
     def _handle(self, signum: int, _frame: object) -> None:
         self.requested = True
         log.warning("signal %d received: stopping at the next optimiser step and saving last.pt", signum)
 
     def agreed(self, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        return bool(dist.all_reduce_max(flag).item() > 0)
+        if dist.get_world_size() == 1:
+            return self.requested
+        import torch.distributed as tdist
+
+        if self._group is None:
+            self._group = tdist.new_group(backend="gloo")
+        stop = False
+        if self._work is not None and self._vote is not None:
+            self._work.wait()
+            stop = bool(self._vote.item() > 0)
+        self._vote = torch.tensor([1.0 if self.requested else 0.0])
+        self._work = tdist.all_reduce(self._vote, op=tdist.ReduceOp.MAX, group=self._group, async_op=True)
+        return stop
+
+    def close(self) -> None:
+        """Finish the vote in flight (before the process group goes)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,16 +218,22 @@ def train_step(
     targets: torch.Tensor,
     world_size: int,
     amp_dtype: torch.dtype | None,
+    timer: StepTimer | None = None,
 ) -> torch.Tensor:
     """Forward and backward of one batch on this rank; returns the detached (box, cls, dfl) items.
 
     Gradients accumulate in ``.grad``; the optimiser steps separately (:func:`optimizer_step`).
+    ``timer`` (when given) is marked after the forward and after the backward.
     """
     with torch.autocast(x.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
         preds = model(x)
         loss, items = loss_fn(preds, targets.to(x.device, non_blocking=True))
-    # DDP averages gradients over ranks; the loss is already a share of the global-batch loss.
+    if timer is not None:
+        timer.mark()
+    # DDP averages gradients over ranks: x world size makes the step's gradient the ranks' sum.
     scaler.scale(loss * world_size).backward()
+    if timer is not None:
+        timer.mark()
     return items.detach().float()
 
 
@@ -244,21 +278,29 @@ def train_one_epoch(
     nb = len(loader)
     warmup_iters = warmup_iterations(tcfg.warmup_epochs, nb, sem.epochs)
     factor = lr_factor(sem.lr_schedule, sem.epochs, tcfg.lrf)(epoch)
-    clock = Clock(device)
+    from detscale.data.loader import worker_cpu_seconds
+
+    workers_cpu = worker_cpu_seconds(loader)  # persistent workers: their CPU time so far
     batches = iter(loader)
+    images = 0
     for _ in range(progress.step):  # mid-epoch resume: the same batches, already trained on
         next(batches)
-    loss_sum = torch.tensor(progress.loss_sum, dtype=torch.float64)
-    timing.start_epoch()
+    # on the device: no copy to the host per step (read for the progress bar every few seconds)
+    loss_sum = torch.tensor(progress.loss_sum, dtype=torch.float64, device=device)
+    timer = StepTimer(device, timing, breakdown=tcfg.step_breakdown)
+    if parts.comm_probe is not None:
+        parts.comm_probe.on_ready = timer.comm_ready
+    timer.start_epoch()
     t_epoch = time.perf_counter() - progress.epoch_seconds_done
     bar = tqdm(total=nb, initial=progress.step, desc=f"epoch {epoch + 1}/{sem.epochs}", unit="batch",
                disable=not dist.is_main(), leave=False, mininterval=1.0, file=sys.stderr)
+    shown = time.perf_counter()
     i, stopped = progress.step, False
     last_step = i - 1  # batch of the last optimiser step (a resumed epoch starts at a step boundary)
-    t_prev = clock.now()
     while i < nb:
+        timer.begin_data()
         imgs, targets, _metas = next(batches)
-        t_data = clock.now()
+        timer.end_data()
         iteration = epoch * nb + i
         accumulate = sem.accumulate
         if iteration < warmup_iters:
@@ -272,33 +314,38 @@ def train_one_epoch(
         before = parts.buffers.snapshot() if parts.buffers is not None else None
         with sync:
             items = train_step(parts.model, parts.loss_fn, parts.scaler, to_input(imgs, device, sem.channels_last),
-                               targets, sem.world_size, parts.amp_dtype)
+                               targets, sem.world_size, parts.amp_dtype, timer)
         if parts.buffers is not None:
             parts.buffers.merge(before)
         if boundary:
             optimizer_step(parts, tcfg.clip_grad_norm)
             last_step = i
-        t_done = clock.now()
-        timing.record_step(len(imgs), t_data - t_prev, t_done - t_data)
-        loss_sum += items.cpu().double()
+        timer.end_step(len(imgs))
+        images += len(imgs)
+        loss_sum += items
         i += 1
         bar.update(1)
-        if bar.n % 10 == 0 or i == nb:
+        if dist.is_main() and (time.perf_counter() - shown > 2.0 or i == nb):
             # an estimate of the global value from this rank's batches
             box, cls, dfl = (loss_sum * (sem.world_size if parts.loss_fn.global_normaliser else 1) / i).tolist()
             bar.set_postfix_str(f"box={box:.3f} cls={cls:.3f} dfl={dfl:.3f}")
+            shown = time.perf_counter()
         if boundary and stop.agreed(device):
             stopped = True
             break
-        t_prev = clock.now()
+    timer.flush()
     bar.close()
+    if (cpu := worker_cpu_seconds(loader)) is not None:
+        # new workers (first epoch, after a resume) start from 0
+        timing.loader_cpu_seconds += cpu - (workers_cpu if workers_cpu is not None and cpu >= workers_cpu else 0.0)
+        timing.loader_images += images
     seconds = time.perf_counter() - t_epoch
-    progress.step, progress.loss_sum, progress.epoch_seconds_done = i, loss_sum.tolist(), seconds
+    progress.step, progress.loss_sum, progress.epoch_seconds_done = i, loss_sum.cpu().tolist(), seconds
     # Items are this rank's batch loss (local normaliser: the mean over ranks is the global value)
     # or its share of the global-batch loss (global normaliser: the sum is). The sum travels on
     # the device: NCCL has no CPU tensors (gloo takes either).
     shares = parts.loss_fn.global_normaliser
-    mean = dist.all_reduce_sum(loss_sum.to(device, copy=True)).cpu() / (max(i, 1) * (1 if shares else sem.world_size))
+    mean = dist.all_reduce_sum(loss_sum.clone()).cpu() / (max(i, 1) * (1 if shares else sem.world_size))
     return EpochResult(mean.tolist(), seconds, stopped, i, complete=i == nb)
 
 
@@ -324,6 +371,39 @@ def validate(
 # ---------------------------------------------------------------------------------------------
 
 
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """The model in DDP as the trainer runs it (the all-reduce benchmark wraps it the same way).
+
+    Buffers are merged after every batch (SequentialBufferMerge), not broadcast per forward
+    (torch >= 2.12 renames ``broadcast_buffers`` to ``forward_sync_buffers``).
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    params = inspect.signature(DDP.__init__).parameters
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+               **no_sync)
+
+
+class CommProbe:
+    """DDP communication hook state: the default all-reduce, and a call to ``on_ready`` per bucket.
+
+    The hook runs when a gradient bucket is complete and handed to the all-reduce; the last call
+    of a backward marks the end of its gradient computation (:class:`~detscale.engine.timing.StepTimer`).
+    """
+
+    def __init__(self) -> None:
+        self.on_ready: Any = None
+
+    @staticmethod
+    def hook(probe, bucket):  # no annotations: DDP checks them, and this module's are strings
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        if probe.on_ready is not None:
+            probe.on_ready()
+        return allreduce_hook(None, bucket)  # what DDP does without a hook: divide by the ranks, all-reduce
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """A 32-bit seed per rank derived from the run's one seed."""
     return int(np.random.SeedSequence([seed, rank, 0x5EED]).generate_state(1)[0])
@@ -339,13 +419,13 @@ def seed_everything(seed: int) -> None:
 
 def build_parts(point: RunPoint, nc: int, sem: TrainSemantics, tcfg: TrainConfig, info: dist.DistInfo) -> Parts:
     """Model (same initial weights on every rank), SyncBN, EMA, optimiser, scheduler, scaler, loss, DDP."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from detscale.engine.syncbn import convert_sync_batchnorm
     from detscale.loss import DetectionLoss
     from detscale.model import build_model
 
     seed_everything(sem.seed)  # identical initialisation on every rank (DDP also broadcasts rank 0's)
+    comm_probe = None
     raw = build_model(point.model, nc)
     if sem.sync_bn and sem.world_size > 1:
         raw = convert_sync_batchnorm(raw, info.device.type)
@@ -359,17 +439,15 @@ def build_parts(point: RunPoint, nc: int, sem: TrainSemantics, tcfg: TrainConfig
     scaler = torch.amp.GradScaler(info.device.type, enabled=sem.precision == "fp16")
     loss_fn = DetectionLoss(raw, tcfg.box_gain, tcfg.cls_gain, tcfg.dfl_gain, global_normaliser=sem.sync_bn)
     if sem.world_size > 1:
-        # Buffers are merged after every batch (SequentialBufferMerge), not broadcast per forward.
-        # (torch >= 2.12 renames broadcast_buffers to forward_sync_buffers.)
-        params = inspect.signature(DDP.__init__).parameters
-        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
-        model: nn.Module = DDP(raw, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-                               gradient_as_bucket_view=True, **no_sync)
+        model: nn.Module = wrap_ddp(raw, info.device)
+        if tcfg.step_breakdown:
+            comm_probe = CommProbe()
+            model.register_comm_hook(comm_probe, CommProbe.hook)
     else:
         model = raw
     buffers = SequentialBufferMerge(raw) if sem.world_size > 1 and not sem.sync_bn else None
     seed_everything(rank_seed(sem.seed, info.rank))
-    return Parts(model, raw, ema, optimizer, scheduler, scaler, loss_fn, amp_dtype, buffers)
+    return Parts(model, raw, ema, optimizer, scheduler, scaler, loss_fn, amp_dtype, buffers, comm_probe)
 
 
 def build_loaders(point: RunPoint, cfg: ExperimentConfig, data_yaml: Path, cache_dir: Path | None,

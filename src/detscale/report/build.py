@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from detscale import config as dsconfig
-from detscale.report import accuracy, html, plots, tables
+from detscale.report import accuracy, html, plots, projection, tables
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,11 @@ def methods(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig) -
         "repeats; the smallest GPU count when a point has no 1-GPU run). Efficiency = speed-up / N (relative to "
         "the baseline's GPU count). Δ mAP = mAP(N) − median mAP of the baseline runs.",
         "Data wait share: fraction of each step spent blocked on the data loader; the rest (compute share) is "
-        "forward, backward, all-reduce and optimizer. Step time = global batch / throughput.",
+        "forward, backward, all-reduce and optimizer. Step time = global batch / throughput. With "
+        "train.step_breakdown the compute is split further (mean over ranks, ms per step): forward and loss, "
+        "backward, exposed communication (from the last gradient bucket handed to the all-reduce until it is "
+        "done), optimiser (BatchNorm merge, step, EMA) and other; CPU: perf_counter marks; CUDA: CUDA events read "
+        "every 25 steps, no per-step synchronisation.",
         "Peak memory per GPU: the largest rank's peak, in GB (10^9 bytes): allocated CUDA memory on GPUs, peak "
         f"resident set size (RSS) of the rank process on CPU (kinds here: {_span([r['mem_kind'] for r in rows])}).",
         "Epoch time: median wall time of the epochs after the first (the first pays start-up); scaling.csv also "
@@ -140,6 +144,32 @@ def methods(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig) -
     ]
 
 
+def comm_rows(comm: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The communication benchmarks as one table (header, body)."""
+    header = ["model", "imgsz", "ranks", "backend", "gradient (MiB)", "buckets", "all-reduce (ms, median)",
+              "p10–p90 (ms)", "algbw (GB/s)", "busbw (GB/s)", "fit: latency (us)", "fit: busbw (GB/s)"]
+    body = [[c["model"], str(c["imgsz"]), f"{c['world_size']} {c['device']}", c["backend"],
+             f"{c['gradient_bytes'] / 2**20:.1f}", str(len(c["bucket_bytes"])), f"{c['time_ms']:.2f}",
+             f"{c['time_ms_p10']:.2f}–{c['time_ms_p90']:.2f}", f"{c['algbw_GBps']:.2f}", f"{c['busbw_GBps']:.2f}",
+             f"{c['fit']['latency_us']:.0f}", f"{c['fit']['busbw_GBps']:.2f}"]
+            for c in sorted(comm, key=lambda c: (c["model"], c["imgsz"], c["world_size"]))]
+    return header, body
+
+
+COMM_METHOD = ("All-reduce of the model's gradient (float32) in the buckets DDP settles on after one training "
+               "batch, all buckets in flight together, median of the timed rounds after warm-up rounds; algbw = "
+               "bytes / time, busbw = algbw x 2(n-1)/n (nccl-tests' definitions); the fit is t = latency + "
+               "bytes x 2(n-1)/n / busbw over a sweep of 4 KiB..64 MiB messages.")
+
+
+def comm_markdown(comm: Sequence[Mapping[str, Any]]) -> list[str]:
+    if not comm:
+        return ["", "## Communication", "", "No communication benchmark (no grid point of 2 or more GPUs on one node)."]
+    header, body = comm_rows(comm)
+    return ["", "## Communication", "", COMM_METHOD, "", "| " + " | ".join(header) + " |",
+            "|---" * len(header) + "|", *("| " + " | ".join(row) + " |" for row in body)]
+
+
 def _write_atomic(text: str | bytes, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     if isinstance(text, bytes):
@@ -149,7 +179,40 @@ def _write_atomic(text: str | bytes, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_dir: str | Path) -> ReportFiles:
+def contention_note(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """On CPU ranks: a warning when the ranks and their loader workers want more cores than the host has."""
+    crowded = []
+    for r in rows:
+        threads = r["threads_per_rank"]
+        if r["device"] != "cpu" or math.isnan(threads) or not r["cpu_cores"]:
+            continue
+        want = r["gpus"] // r["nodes"] * (int(threads) + r["workers"])
+        if want > r["cpu_cores"]:
+            crowded.append((r["gpus"], int(threads), r["workers"], want, r["cpu_cores"]))
+    if not crowded:
+        return None
+    cases = "; ".join(f"{g} rank(s) x ({t} thread(s) + {w} loader worker(s)) = {n} > {c} cores"
+                      for g, t, w, n, c in sorted(set(crowded)))
+    return (f"CPU contention: {cases}. The CPU analogue then also measures the ranks' contention for cores, not only "
+            "what an added rank buys; the step breakdown and the projection's CPU roofline show how much.")
+
+
+def read_comm(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """The communication benchmarks (``detscale comm`` JSON) given to the report."""
+    import json
+
+    out = []
+    for path in paths:
+        try:
+            out.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as exc:
+            raise tables.ReportError(f"cannot read the communication benchmark {path}: {exc}; rerun the workflow "
+                                     "(rule comm) to write it again") from None
+    return out
+
+
+def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_dir: str | Path,
+                 comm_paths: Sequence[str | Path] = ()) -> ReportFiles:
     """Read the runs, write ``scaling.csv``, ``scaling.md``, ``plots/*.png`` and ``index.html`` under ``out_dir``.
 
     Every file is written beside its final name and renamed into place, so an interrupted report
@@ -169,13 +232,18 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     env_note = environment_note(envs)
     if env_note:
         notes.append(env_note)
+    crowded = contention_note(rows)
+    if crowded:
+        notes.append(crowded)
+    comm = read_comm(comm_paths)
+    projections, no_projection = projection.project_groups(rows, comm, cfg.projection)
     notes += [f"Experiment point {g}: no 1-GPU run; speed-ups are relative to {b} GPUs."
               for g, b in sorted({(r["group"], r["baseline_gpus"]) for r in rows if r["baseline_gpus"] != 1})]
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".plots-") as tmp:
-        drawn = plots.make_plots(rows, tmp, deltas=deltas, curves=curves)
+        drawn = plots.make_plots(rows, tmp, deltas=deltas, curves=curves, projections=projections)
         plot_dir = out / "plots"
         plot_dir.mkdir(exist_ok=True)
         plot_paths = {}
@@ -187,11 +255,12 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     tmp_csv = tables.write_csv(rows, out / ".scaling.csv.tmp")
     os.replace(tmp_csv, csv_path)
     md_path = out / "scaling.md"
-    md = tables.markdown(rows, notes + [methods(rows, cfg)[-1]]) + "\n" + "\n".join(accuracy.markdown(deltas))
+    md = (tables.markdown(rows, notes + [methods(rows, cfg)[-1]]) + "\n" + "\n".join(accuracy.markdown(deltas))
+          + "\n" + "\n".join(comm_markdown(comm) + projection.markdown(projections, no_projection)))
     _write_atomic(md + "\n", md_path)
     run_configs = {r.point.run_id: (r.run_dir / "config.yaml").read_text() for r in runs}
     page = html.render(rows, plot_paths, notes, methods(rows, cfg), envs, config_path.read_text(),
-                       str(config_path), run_configs, deltas)
+                       str(config_path), run_configs, deltas, comm, projections, no_projection)
     html_path = out / "index.html"
     _write_atomic(page, html_path)
     log.info("report of %d run(s) written to %s", len(rows), out)

@@ -83,6 +83,9 @@ def render(
     config_path: str,
     run_configs: Mapping[str, str],
     deltas: Sequence[Any] = (),
+    comm: Sequence[Mapping[str, Any]] = (),
+    projections: Sequence[Any] = (),
+    no_projection: Sequence[str] = (),
 ) -> str:
     """The whole page as a string (``deltas``: :class:`~detscale.report.accuracy.PairedDelta` per point)."""
     from detscale.report.plots import PLOTS
@@ -116,6 +119,7 @@ def render(
         parts.append(table(header, body, left=4))
     else:
         parts.append("<p>No experiment point has both a baseline and a multi-GPU run: nothing to compare.</p>")
+    parts += communication_section(comm, projections, no_projection)
     parts.append("<h2>Plots</h2>")
     parts += [image(path, PLOTS.get(name, name)) for name, path in plots.items()]
     parts.append("<h2>Every run</h2>")
@@ -136,6 +140,45 @@ def render(
                      f"semantics)</summary><pre>{_e(text)}</pre></details>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def communication_section(comm: Sequence[Mapping[str, Any]], projections: Sequence[Any],
+                          no_projection: Sequence[str]) -> list[str]:
+    """The communication benchmark's table and the scaling projection (its error on the measured points)."""
+    from detscale.report.build import COMM_METHOD, comm_rows
+
+    parts = ["<h2>Communication</h2>"]
+    if comm:
+        parts.append(f"<p>{_e(COMM_METHOD)}</p>")
+        header, body = comm_rows(comm)
+        parts.append(table(header, body, left=4))
+    else:
+        parts.append("<p>No communication benchmark: the grid has no point of 2 or more GPUs on one node.</p>")
+    parts.append("<h2>Scaling projection</h2>")
+    parts.append("<p>Step time predicted from the 1-GPU run's measured step and CPU demand, the gradient's "
+                 "all-reduce (alpha-beta model, DDP's buckets overlapping the backward) and a roofline on the "
+                 "node's CPU cores (detscale.report.projection). At 1 GPU it equals the measurement by "
+                 "construction; the error column says how well it predicts the other measured points.</p>")
+    for p in projections:
+        parts.append(f"<h3>{_e(p.group)}</h3>")
+        parts.append(f"<p>Gradient {p.gradient_bytes / 2**20:.1f} MiB in {p.buckets} DDP bucket(s). Within a node: "
+                     f"{_e(p.intra.name)}, latency {p.intra.latency_s * 1e6:.0f} µs, busbw "
+                     f"{p.intra.busbw_Bps / 1e9:.2f} GB/s ({_e(p.intra.source)}). Between nodes: {_e(p.inter.name)}, "
+                     f"{p.inter.latency_s * 1e6:.0f} µs, {p.inter.busbw_Bps / 1e9:.1f} GB/s "
+                     f"({_e(p.inter.source)}).</p>")
+        parts.append(table(["measured GPUs", "measured img/s", "projected img/s", "error"],
+                           [[g, f"{m:.1f}", f"{q:.1f}", f"{e:+.1%}"] for g, m, q, e in p.errors]))
+        gpn = sorted({x.gpus_per_node for x in p.grid})
+        body = []
+        for m in sorted({x.nodes for x in p.grid}):
+            cells = {x.gpus_per_node: x for x in p.grid if x.nodes == m}
+            body.append([m] + [f"{cells[g].images_per_s:.0f} ({cells[g].efficiency:.2f})"
+                               f"{' *' if cells[g].cpu_bound else ''}" for g in gpn])
+        parts.append("<p>Projected img/s (efficiency) by GPUs per node and nodes; * marks a step bound by the "
+                     "node's CPU cores:</p>")
+        parts.append(table(["nodes"] + [f"{g} / node" for g in gpn], body))
+    parts += [f'<p class="note">No projection for {_e(s)}.</p>' for s in no_projection]
+    return parts
 
 
 def _fmt(value: Any) -> str:

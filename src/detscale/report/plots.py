@@ -19,9 +19,10 @@ PLOTS = {
     "efficiency": "Scaling efficiency vs GPUs",
     "memory": "Peak memory per GPU",
     "map": "mAP vs GPUs (median, min–max over repeats)",
-    "step_time": "Step time split into data wait and compute",
+    "step_time": "Step time split into data wait, forward, backward, exposed communication, optimiser and other",
     "accuracy_pairs": "mAP@0.5:0.95 per seed, baseline vs N GPUs, and the mean difference with its 95 % CI",
     "time_to_accuracy": "Validation mAP@0.5:0.95 against training time, per GPU count",
+    "projection": "Measured throughput and the scaling projection (lines) for more GPUs and nodes",
 }
 
 
@@ -124,23 +125,36 @@ def plot_map(frame, path: Path, gpu_label: str) -> Path:
 
 
 def plot_step_time(frame, path: Path, gpu_label: str) -> Path:
+    """A stacked bar per run: data wait, forward, backward, exposed communication, optimiser, other."""
+    import math
+
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    data = frame.sort_values(["point", "gpus", "repeat"]).reset_index(drop=True)
-    data = data.sort_values(["point", "gpus", "seed", "repeat"]).reset_index(drop=True)
+    from detscale.engine.timing import PHASE_HELP, PHASES
+
+    data = frame.sort_values(["point", "gpus", "seed", "repeat"]).reset_index(drop=True)
     labels = [(f"{r.point}\n" if data["point"].nunique() > 1 else "") + f"{r.gpus} GPU s{r.seed} r{r.repeat}"
               for r in data.itertuples()]
-    palette = sns.color_palette(n_colors=2)
-    fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(data) + 2), 4.2))
-    xs = range(len(data))
-    ax.bar(xs, data["compute_ms"], color=palette[0], label="compute (forward, backward, all-reduce, optimizer)")
-    ax.bar(xs, data["data_wait_ms"], bottom=data["compute_ms"], color=palette[1], label="data wait (loader)")
-    ax.set_xticks(list(xs), labels, fontsize="small")
-    ax.set_ylim(0, float((data["compute_ms"] + data["data_wait_ms"]).max()) * 1.35)  # room for the legend
-    ax.legend(fontsize="small", loc="upper left")
+    palette = sns.color_palette(n_colors=len(PHASES))
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(data) + 2), 4.6))
+    xs = list(range(len(data)))
+    bottom = [0.0] * len(data)
+    has_breakdown = [not math.isnan(float(v)) for v in data["forward_ms"]]
+    for k, phase in enumerate(PHASES):
+        if phase == "data_wait":
+            values = list(data["data_wait_ms"])
+        else:
+            # runs without a breakdown show their compute as one block, under "other"
+            values = [float(r[f"{phase}_ms"]) if ok else (float(r["compute_ms"]) if phase == "other" else 0.0)
+                      for ok, (_, r) in zip(has_breakdown, data.iterrows(), strict=True)]
+        ax.bar(xs, values, bottom=bottom, color=palette[k], label=f"{phase.replace('_', ' ')}: {PHASE_HELP[phase]}")
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xticks(xs, labels, fontsize="small")
+    ax.set_ylim(0, max(bottom) * 1.9)  # room for the legend
+    ax.legend(fontsize="x-small", loc="upper left")
     xlabel = "run (CPU ranks, seed, repeat)" if gpu_label != "GPUs" else "run (GPUs, seed, repeat)"
-    return _finish(fig, ax, path, PLOTS["step_time"], xlabel, "time per training step (ms)")
+    return _finish(fig, ax, path, PLOTS["step_time"], xlabel, "time per training step (ms, mean over ranks)")
 
 
 def plot_accuracy_pairs(deltas: Sequence[Any], path: Path, gpu_label: str) -> Path:
@@ -201,8 +215,36 @@ def plot_time_to_accuracy(frame, curves: Mapping[str, Sequence[tuple[int, float,
                    "validation mAP@0.5:0.95 (EMA)")
 
 
+def plot_projection(frame, projections: Sequence[Any], path: Path, gpu_label: str) -> Path:
+    """Measured img/s per point (dots) and the projection's lines: one per node count, over GPUs in total."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    fig, ax = plt.subplots(figsize=(7.2, 4.8))
+    palette = dict(zip(sorted(frame["point"].unique()), sns.color_palette(n_colors=frame["point"].nunique()),
+                       strict=True))
+    styles = ["-", "--", "-.", ":"]
+    for p in projections:
+        colour = palette.get(p.group, "grey")
+        for k, nodes in enumerate(sorted({x.nodes for x in p.grid})):
+            pts = sorted((x.gpus, x.images_per_s) for x in p.grid if x.nodes == nodes)
+            ax.plot([g for g, _ in pts], [v for _, v in pts], styles[k % len(styles)], color=colour, alpha=0.8,
+                    label=f"{p.group}: projected, {nodes} node(s)")
+    sub = frame[frame["nodes"] == 1]
+    for point, rows in sub.groupby("point"):
+        ax.scatter(rows["gpus"], rows["images_per_s"], color=palette[point], zorder=3, label=f"{point}: measured")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.legend(fontsize="x-small")
+    if not projections:
+        ax.text(0.5, 0.5, "no projection (see the report)", transform=ax.transAxes, ha="center")
+    return _finish(fig, ax, path, PLOTS["projection"], f"{gpu_label} in total (log scale)",
+                   "images per second (log scale)")
+
+
 def make_plots(rows: Sequence[Mapping[str, Any]], out_dir: str | Path, deltas: Sequence[Any] = (),
-               curves: Mapping[str, Sequence[tuple[int, float, float]]] | None = None) -> dict[str, Path]:
+               curves: Mapping[str, Sequence[tuple[int, float, float]]] | None = None,
+               projections: Sequence[Any] = ()) -> dict[str, Path]:
     """Write every plot as ``out_dir/<name>.png``; returns name -> path in :data:`PLOTS` order."""
     import matplotlib
 
@@ -227,4 +269,5 @@ def make_plots(rows: Sequence[Mapping[str, Any]], out_dir: str | Path, deltas: S
         log.debug("wrote %s", paths[name])
     paths["accuracy_pairs"] = plot_accuracy_pairs(deltas, out / "accuracy_pairs.png", gpu_label)
     paths["time_to_accuracy"] = plot_time_to_accuracy(frame, curves or {}, out / "time_to_accuracy.png", gpu_label)
+    paths["projection"] = plot_projection(frame, projections, out / "projection.png", gpu_label)
     return paths

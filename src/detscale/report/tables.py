@@ -45,7 +45,8 @@ CONTRACT_COLUMNS = (
 )
 EXTRA_COLUMNS = (
     "seed", "group", "nodes", "scaling", "epochs", "backend", "baseline_gpus", "images_per_s_rank_min",
-    "images_per_s_rank_max", "compute_share", "step_ms", "data_wait_ms", "compute_ms", "mem_kind",
+    "images_per_s_rank_max", "compute_share", "step_ms", "data_wait_ms", "compute_ms", "forward_ms", "backward_ms",
+    "comm_ms", "optimizer_ms", "other_ms", "mem_kind",
     "epoch_seconds_first", "train_seconds", "val_seconds", "warmup_steps", "measured_steps", "map75",
     "map_small", "map_medium", "map_large", "ar100", "delta_map50_vs_1gpu", "num_images", "tta_target_map50_95",
     "time_to_target_s", "time_to_target_speedup", "started_at", "finished_at", "run_dir",
@@ -201,6 +202,14 @@ def run_row(run: RunArtifacts) -> dict[str, Any]:
         "step_ms": step_ms,
         "data_wait_ms": step_ms * wait,
         "compute_ms": step_ms * compute,
+        # the step breakdown (mean over ranks, ms per step), when the run measured it
+        **{f"{k}_ms": _as_float((t.get("step_breakdown_ms") or {}).get(k))
+           for k in ("forward", "backward", "comm", "optimizer", "other")},
+        "cpu_ms_per_step": _as_float(t.get("cpu_ms_per_step")),
+        "loader_cpu_ms_per_image": _as_float(t.get("loader_cpu_ms_per_image")),
+        "cpu_cores": int(run.env.get("cpu_affinity") or run.env.get("cpu_cores_logical") or 0),
+        "threads_per_rank": _as_float(t.get("threads_per_rank")),
+        "workers": int((run.run_config.get("train") or {}).get("workers", 0)),
         "mem_kind": t["mem_kind"],
         "epoch_seconds_first": epochs[0] if epochs else math.nan,
         "train_seconds": _as_float(t["train_seconds"]),

@@ -1,0 +1,223 @@
+"""Scaling projection: step time and efficiency for more GPUs and nodes than were measured.
+
+From the measured 1-GPU run of a point (its step breakdown and CPU demand) and the gradient's
+all-reduce (DDP's buckets, an alpha-beta model per fabric), the step of ``g`` GPUs per node on
+``m`` nodes is predicted as
+
+    step(g, m) = max(T1 * f, g * (cpu * f + loader * b) / cores) + exposed(g * m)
+
+- ``T1``: the measured 1-GPU step (data wait included); ``f = b / b1`` scales it to the batch
+  per GPU of the projected point (1 for weak scaling);
+- the second term is a roofline on the node's CPU cores: every rank's process needs ``cpu`` CPU
+  milliseconds per step and its loader workers ``loader`` per image (both measured in the 1-GPU
+  run, ``/proc`` and ``process_time``); ``cores`` is what the measured host gave the run. On a
+  GPU host it is the data loader's ceiling; on the CPU analogue here it is also the contention of
+  the ranks themselves for cores;
+- ``exposed``: the all-reduce time the backward does not hide. DDP hands its buckets to the
+  all-reduce as their gradients are ready, one after another on one stream; bucket ``k`` is taken
+  to be ready when the backward has produced its share of the gradient bytes, and what is still
+  running when the backward ends is exposed. One bucket (a small model) is exposed whole.
+  An all-reduce of ``S`` bytes on ``n`` ranks takes ``latency + S * 2 (n - 1) / n / busbw``
+  (nccl-tests' bus bandwidth); across nodes the slower of the two fabrics sets latency and
+  bandwidth.
+
+What it leaves out: the all-reduce slowing the backward it overlaps (shared memory bandwidth or
+SMs), stragglers, the loader's own memory bandwidth, and a CPU all-reduce competing for the cores
+it is measured on. Its error on every measured point is reported beside it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Fabric:
+    name: str
+    latency_s: float
+    busbw_Bps: float
+    source: str
+
+    def allreduce_s(self, nbytes: float, ranks: int) -> float:
+        if ranks < 2:
+            return 0.0
+        return self.latency_s + nbytes * 2 * (ranks - 1) / ranks / self.busbw_Bps
+
+
+def fabric_from_config(name: str, fabrics: Mapping[str, Mapping[str, Any]]) -> Fabric:
+    f = fabrics[name]
+    return Fabric(name, float(f["latency_us"]) * 1e-6, float(f["busbw_GBps"]) * 1e9, str(f["source"]))
+
+
+def fabric_from_comm(comm: Mapping[str, Any]) -> Fabric:
+    """The alpha-beta fit of a communication benchmark (``detscale comm``)."""
+    fit = comm["fit"]
+    return Fabric(f"measured ({comm['backend']}, {comm['world_size']} {comm['device']} ranks)",
+                  float(fit["latency_us"]) * 1e-6, float(fit["busbw_GBps"]) * 1e9,
+                  f"detscale comm: all-reduce sweep 4 KiB..64 MiB on {comm['world_size']} {comm['device']} ranks "
+                  f"({comm['backend']}), least-squares fit")
+
+
+def exposed_comm_s(buckets: Sequence[int], backward_s: float, ranks: int, fabric: Fabric) -> float:
+    """All-reduce time left after the backward ends (buckets ready in proportion to their bytes)."""
+    if ranks < 2 or not buckets:
+        return 0.0
+    total = float(sum(buckets))
+    end = ready = 0.0
+    for size in buckets:
+        ready += backward_s * size / total
+        end = max(end, ready) + fabric.allreduce_s(size, ranks)
+    return max(end - backward_s, 0.0)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What the projection needs of a point's measured 1-GPU run (medians over its seeds and repeats)."""
+
+    step_s: float
+    backward_s: float
+    batch: int
+    cpu_s: float | None  # CPU seconds of the rank's process per step
+    loader_s_per_image: float  # CPU seconds of its loader workers per image (0 without workers)
+    cores: int
+    device: str
+    scaling: str  # weak: the batch per GPU stays; strong: the global batch stays
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> Baseline | None:
+        """From the group's 1-GPU rows; ``None`` without a 1-GPU run that measured its breakdown."""
+        ones = [r for r in rows if r["gpus"] == 1 and not math.isnan(r.get("backward_ms", math.nan))]
+        if not ones:
+            return None
+
+        def med(key: str) -> float:
+            values = [float(r[key]) for r in ones if r.get(key) is not None and not math.isnan(float(r[key]))]
+            return statistics.median(values) if values else math.nan
+
+        cpu = med("cpu_ms_per_step")
+        loader = med("loader_cpu_ms_per_image")
+        return cls(step_s=med("step_ms") / 1000, backward_s=med("backward_ms") / 1000,
+                   batch=int(ones[0]["batch_per_gpu"]),
+                   cpu_s=None if math.isnan(cpu) else cpu / 1000,
+                   loader_s_per_image=0.0 if math.isnan(loader) else loader / 1000,
+                   cores=int(ones[0].get("cpu_cores") or 1), device=str(ones[0]["device"]),
+                   scaling=str(ones[0]["scaling"]))
+
+
+@dataclass(frozen=True)
+class Projected:
+    gpus_per_node: int
+    nodes: int
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    cpu_bound: bool
+    images_per_s: float
+    efficiency: float
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+def project(base: Baseline, buckets: Sequence[int], gpus_per_node: int, nodes: int, intra: Fabric,
+            inter: Fabric) -> Projected:
+    """The predicted step of ``gpus_per_node`` GPUs on each of ``nodes`` nodes (see the module docstring)."""
+    n = gpus_per_node * nodes
+    batch = base.batch if base.scaling == "weak" else max(base.batch // n, 1)
+    f = batch / base.batch
+    cpu_bound = 0.0
+    if base.cpu_s is not None:
+        cpu_bound = gpus_per_node * (base.cpu_s * f + base.loader_s_per_image * batch) / base.cores
+    compute = max(base.step_s * f, cpu_bound)
+    if nodes > 1:
+        fabric = Fabric(f"{intra.name} + {inter.name}", max(intra.latency_s, inter.latency_s),
+                        min(intra.busbw_Bps if gpus_per_node > 1 else math.inf, inter.busbw_Bps), "")
+    else:
+        fabric = intra
+    exposed = exposed_comm_s(buckets, base.backward_s * f, n, fabric)
+    step = compute + exposed
+    ips = n * batch / step
+    ips1 = base.batch / base.step_s
+    return Projected(gpus_per_node, nodes, step, compute, exposed, cpu_bound > base.step_s * f, ips, ips / (n * ips1))
+
+
+@dataclass
+class GroupProjection:
+    group: str
+    intra: Fabric
+    inter: Fabric
+    grid: list[Projected]
+    #: (gpus, measured img/s, projected img/s, relative error) for every measured GPU count
+    errors: list[tuple[int, float, float, float]]
+    gradient_bytes: int
+    buckets: int
+
+
+def _comm_for(comm: Sequence[Mapping[str, Any]], model: str, imgsz: int) -> list[Mapping[str, Any]]:
+    return sorted((c for c in comm if c["model"] == model and int(c["imgsz"]) == imgsz), key=lambda c: c["world_size"])
+
+
+def project_groups(rows: Sequence[Mapping[str, Any]], comm: Sequence[Mapping[str, Any]],
+                   pcfg: Any) -> tuple[list[GroupProjection], list[str]]:
+    """A projection per group that has a 1-GPU run with a breakdown and a communication benchmark; and why
+    the others have none."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(r)
+    out, skipped = [], []
+    for group, members in groups.items():
+        base = Baseline.from_rows(members)
+        if base is None:
+            skipped.append(f"{group}: no 1-GPU run with a step breakdown (train.step_breakdown)")
+            continue
+        results = _comm_for(comm, str(members[0]["model"]), int(members[0]["imgsz"]))
+        if not results:
+            skipped.append(f"{group}: no communication benchmark of its model (the grid has no run of 2 or more "
+                           "GPUs on one node)")
+            continue
+        largest = results[-1]
+        if pcfg.intra_node == "measured":
+            intra = fabric_from_comm(largest)
+        else:
+            intra = fabric_from_config(pcfg.intra_node, pcfg.fabrics)
+        inter = fabric_from_config(pcfg.inter_node, pcfg.fabrics)
+        buckets = [int(b) for b in largest["bucket_bytes"]]
+        grid = [project(base, buckets, g, m, intra, inter) for m in pcfg.nodes for g in pcfg.gpus_per_node]
+        errors = []
+        for gpus in sorted({int(r["gpus"]) for r in members if int(r["nodes"]) == 1}):
+            measured = statistics.median(float(r["images_per_s"]) for r in members if int(r["gpus"]) == gpus)
+            # a measured point is predicted with the fabric it ran on: its own rank count's benchmark
+            own = next((c for c in results if int(c["world_size"]) == gpus), largest)
+            predicted = project(base, buckets, gpus, 1, fabric_from_comm(own), inter).images_per_s
+            errors.append((gpus, measured, predicted, (predicted - measured) / measured))
+        out.append(GroupProjection(group, intra, inter, grid, errors, int(largest["gradient_bytes"]), len(buckets)))
+    return out, skipped
+
+
+def markdown(projections: Sequence[GroupProjection], skipped: Sequence[str]) -> list[str]:
+    lines = ["", "## Scaling projection", ""]
+    for p in projections:
+        lines += [f"### {p.group}", "",
+                  f"Gradient {p.gradient_bytes / 2**20:.1f} MiB in {p.buckets} DDP bucket(s); within a node: "
+                  f"{p.intra.name} (latency {p.intra.latency_s * 1e6:.0f} us, busbw {p.intra.busbw_Bps / 1e9:.2f} "
+                  f"GB/s); between nodes: {p.inter.name} ({p.inter.latency_s * 1e6:.0f} us, "
+                  f"{p.inter.busbw_Bps / 1e9:.1f} GB/s; {p.inter.source}).", ""]
+        lines += ["| measured GPUs | measured img/s | projected img/s | error |", "|---|---|---|---|"]
+        lines += [f"| {g} | {m:.1f} | {q:.1f} | {e:+.1%} |" for g, m, q, e in p.errors]
+        gpn = sorted({x.gpus_per_node for x in p.grid})
+        lines += ["", "Projected img/s (efficiency) by GPUs per node (columns) and nodes (rows); "
+                  "* marks a step bound by the node's CPU cores:", "",
+                  "| nodes | " + " | ".join(f"{g}/node" for g in gpn) + " |", "|---" * (len(gpn) + 1) + "|"]
+        for m in sorted({x.nodes for x in p.grid}):
+            cells = {x.gpus_per_node: x for x in p.grid if x.nodes == m}
+            lines.append(f"| {m} | " + " | ".join(
+                f"{cells[g].images_per_s:.0f} ({cells[g].efficiency:.2f}){'*' if cells[g].cpu_bound else ''}"
+                for g in gpn) + " |")
+        lines.append("")
+    lines += [f"No projection for {s}." for s in skipped]
+    return lines

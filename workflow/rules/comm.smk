@@ -1,0 +1,28 @@
+# Communication benchmark: the all-reduce of each model's gradient, in DDP's buckets, on every
+# single-node rank count of the grid above 1 (gloo CPU ranks here, NCCL on GPUs). The report
+# shows its figures and fits the scaling projection's alpha-beta model to it.
+
+
+rule comm:
+    input:
+        config="results/config.yaml",
+        data=CLEAN_DATA_YAML,
+    output:
+        f"{COMM_DIR}/{{model}}_{{imgsz}}_g{{gpus}}.json",
+    wildcard_constraints:
+        model="|".join(re.escape(m) for m in sorted({p[0] for p in COMM_POINTS})) or "none",
+        imgsz=r"\d+",
+        gpus=r"\d+",
+    params:
+        threads=CFG.train.cpu_threads_per_rank,
+    conda:
+        CONDA_ENV
+    log:
+        "results/logs/comm/{model}_{imgsz}_g{gpus}.log",
+    threads: lambda wildcards: int(wildcards.gpus) * CFG.train.cpu_threads_per_rank
+    resources:
+        gpu=lambda wildcards: int(wildcards.gpus),
+        timed_run=TIMED_RUN,
+    shell:
+        "detscale launch --gpus {wildcards.gpus} --threads {params.threads} -- comm --config {input.config}"
+        " --model {wildcards.model} --imgsz {wildcards.imgsz} --data {input.data} --out {output} > {log} 2>&1"
