@@ -273,6 +273,7 @@ def _test_profile(path: Path) -> Path:
     defaults["mem_mb"] = 1000  # the test node has little memory; the profile's sizes are for real nodes
     profile["set-resources"]["train"].update(cpus_per_gpu=1, mem_mb=2000)
     profile["set-resources"]["train_multinode"].update(cpus_per_gpu=1, mem_mb=2000)
+    profile["set-resources"]["comm"].update(cpus_per_gpu=1, mem_mb=2000)
     profile["set-resources"]["evaluate"]["mem_mb"] = 2000
     profile["slurm-status-command"] = "squeue"  # no accounting database: sacct cannot answer
     # The plugin polls after this many seconds, then 10 s later each time nothing finished: 8 s
@@ -332,7 +333,7 @@ def test_pipeline_through_slurm_profile(cluster: None, tmp_path: Path) -> None:
     slurm_logs = sorted(log_dir.rglob("*.log"))  # <rule_R or group_G>/[<wildcards>/]<job id>.log
     ids = sorted({p.stem for p in slurm_logs}, key=int)
     rules = {p.relative_to(log_dir).parts[0] for p in slurm_logs}
-    assert {"rule_train", "rule_evaluate"} <= rules, rules
+    assert {"rule_train", "rule_evaluate", "rule_comm"} <= rules, rules
     # The profile's `data` group: synthetic data, validation and cache in one Slurm job.
     assert any(r.startswith("group_data") for r in rules), rules
     assert not {"rule_report", "rule_run_config"} & rules  # local rules stay local
