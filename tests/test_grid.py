@@ -10,6 +10,7 @@ import yaml
 
 from detscale import cli
 from detscale import config as dsconfig
+from detscale import files as dsfiles
 from detscale.commands import runs as dsruns
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +128,7 @@ def test_unknown_run_is_a_clear_error():
 def test_run_config_is_narrowed_and_loadable(tmp_path: Path):
     cfg = make(gpus=[1, 2, 4], repeats=2)
     run = "gelan-t_64_g2_b8_disk_fp32_s0_r1"
-    path = dsruns.write_text_atomic(dsruns.run_config_text(cfg, run), tmp_path / "r.yaml")
+    path = dsfiles.write_text(dsruns.run_config_text(cfg, run), tmp_path / "r.yaml")
     narrowed = dsconfig.load(path)
     assert [p.run_id for p in narrowed.runs()] == ["gelan-t_64_g2_b8_disk_fp32_s0_r0", run]
     assert narrowed.run("gelan-t_64_g2_b8_disk_fp32_s0_r1") == cfg.run("gelan-t_64_g2_b8_disk_fp32_s0_r1")

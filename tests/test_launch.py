@@ -20,20 +20,20 @@ from pathlib import Path
 
 import pytest
 
+from detscale import files as files_mod
 from detscale import launch as launch_mod
 from detscale import slurm
 from detscale.config import RunPoint
 from detscale.engine.semantics import check_world_size
+from detscale.errors import EXIT_PREEMPTED
+from detscale.files import restore_resume_files, stash_resume_files
 from detscale.launch import (
-    EXIT_PREEMPTED,
     GpuLocks,
     LaunchError,
     LaunchRequest,
     pick_port,
     plan_devices,
     port_is_free,
-    restore_resume_files,
-    stash_resume_files,
     torchrun_command,
 )
 
@@ -310,13 +310,13 @@ def test_resume_stash_keeps_newer_files_of_the_run_folder(tmp_path: Path) -> Non
 def test_resume_stash_follows_each_new_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0's refresh after every save: the stash holds the newest checkpoint, not the first."""
     out, stash = tmp_path / "run", tmp_path / "run" / "resume-stash"
-    monkeypatch.setenv(launch_mod.STASH_ENV, str(stash))
+    monkeypatch.setenv(files_mod.STASH_ENV, str(stash))
     _run_folder(out, b"epoch-1")
-    launch_mod.refresh_resume_stash(out, "d")
+    files_mod.refresh_resume_stash(out, "d")
     # the trainer saves atomically: a new file renamed over last.pt (a new inode, not a write into it)
     (out / "weights" / "new.pt").write_bytes(b"epoch-2")
     os.replace(out / "weights" / "new.pt", out / "weights" / "last.pt")
-    launch_mod.refresh_resume_stash(out, "d")
+    files_mod.refresh_resume_stash(out, "d")
     assert sorted(p.name for p in stash.iterdir()) == ["config_digest", "metrics.jsonl", "weights__last.pt"]
     _delete_outputs(out)  # the job died; Snakemake deletes its outputs
     assert restore_resume_files(out, stash, "d")
@@ -329,10 +329,10 @@ def test_launch_stashes_after_a_failed_run_and_restores_before_the_next(
     out, stash = tmp_path / "run", tmp_path / "run" / "resume-stash"
     seen: list[bytes | None] = []
 
-    monkeypatch.delenv(launch_mod.STASH_ENV, raising=False)
+    monkeypatch.delenv(files_mod.STASH_ENV, raising=False)
 
     def ranks(_req: LaunchRequest) -> int:
-        assert os.environ[launch_mod.STASH_ENV] == str(stash.resolve())  # for rank 0's refreshes
+        assert os.environ[files_mod.STASH_ENV] == str(stash.resolve())  # for rank 0's refreshes
         last = out / "weights" / "last.pt"
         seen.append(last.read_bytes() if last.exists() else None)
         if not last.exists():  # the run writes its checkpoint
@@ -344,7 +344,7 @@ def test_launch_stashes_after_a_failed_run_and_restores_before_the_next(
                         train_argv=("train",), stash=(out, stash, "digest"))
     assert launch_mod.launch(req) == code
     assert stash.is_dir() == kept
-    assert launch_mod.STASH_ENV not in os.environ
+    assert files_mod.STASH_ENV not in os.environ
     _delete_outputs(out)
     launch_mod.launch(req)
     # The second start found the first run's checkpoint only when the first one failed.

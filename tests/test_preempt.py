@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from detscale.launch import EXIT_PREEMPTED
+from detscale.errors import EXIT_PREEMPTED
 from helpers import tiny_dataset
 
 EPOCHS = 4

@@ -34,3 +34,17 @@ def test_every_subcommand_named_in_the_readme_exists():
     out = subprocess.run(["detscale", "--help"], capture_output=True, text=True, check=True).stdout
     for name in set(re.findall(r"`detscale (\w+)", README)):
         assert re.search(rf"^\s+{name}\s", out, flags=re.M), f"README names `detscale {name}`, --help lacks it"
+
+
+def test_reliability_table_points_to_existing_tests():
+    section = README.split("## Reliability")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line.split("|")[-2]]
+    assert len(rows) >= 10
+    for row in rows:
+        refs = re.findall(r"`([\w/]+\.py)?::(\w+)`", row.split("|")[-2])
+        assert refs, row
+        current = None
+        for file, test in refs:
+            current = file or current
+            source = (REPO / "tests" / current).read_text()
+            assert re.search(rf"^def {test}\(", source, flags=re.M), f"README names {current}::{test}, which is missing"

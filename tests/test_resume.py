@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import detscale.engine.trainer as trainer
-from detscale.launch import EXIT_PREEMPTED, pick_port, torchrun_command
+from detscale.errors import EXIT_PREEMPTED
+from detscale.launch import pick_port, torchrun_command
 from helpers import tiny_dataset
 
 CONFIG = """\

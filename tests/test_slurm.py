@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from detscale import slurm
-from detscale.launch import EXIT_PREEMPTED
+from detscale.errors import EXIT_PREEMPTED
 from detscale.slurm import SlurmError, expand_hostlist
 from helpers import tiny_dataset
 

@@ -47,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_message(exc: UserError) -> str:
+    """The message of a user error; one raised in a data-loader worker arrives wrapped in the worker's
+    traceback (torch re-raises it with ``Caught ... in DataLoader worker process N``): its last line."""
+    text = str(exc)
+    if "Original Traceback" in text:
+        last = [line for line in text.strip().splitlines() if line.strip()][-1]
+        head, _, rest = last.partition(": ")
+        return rest if rest and head.split(".")[-1] == type(exc).__name__ else last
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -57,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._module.run(args) or 0)
     except UserError as exc:
-        logging.getLogger("detscale").error("error: %s", exc)
+        logging.getLogger("detscale").error("error: %s", user_message(exc))
         return exc.exit_code
     except KeyboardInterrupt:
         logging.getLogger("detscale").error("interrupted")

@@ -8,3 +8,8 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+#: Exit code of a run stopped by SIGTERM after writing its checkpoint (sysexits EX_TEMPFAIL):
+#: "temporary failure, try again" -- rerunning resumes from weights/last.pt.
+EXIT_PREEMPTED = 75

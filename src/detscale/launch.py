@@ -48,14 +48,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from detscale.commands.runs import write_text_atomic
-from detscale.errors import UserError
+from detscale.errors import EXIT_PREEMPTED, UserError
+from detscale.files import RESUME_FILES, STASH_ENV, restore_resume_files, stash_resume_files
 
 log = logging.getLogger(__name__)
 
-#: Exit code of a run stopped by SIGTERM after writing its checkpoint (sysexits EX_TEMPFAIL):
-#: "temporary failure, try again" -- rerunning resumes from weights/last.pt.
-EXIT_PREEMPTED = 75
 DEFAULT_LOCK_DIR = "/tmp/detscale-gpu-locks"
 #: How torchrun starts a rank. The ``--`` matters: torchrun's argparse would otherwise read our
 #: ``--run RUN_ID`` as an ambiguous abbreviation of its own ``--run-path`` and refuse to start.
@@ -275,88 +272,6 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
     if signal.SIGINT in received:
         return 130
     return code
-
-
-# ---------------------------------------------------------------------------------------------
-# Resume stash
-# ---------------------------------------------------------------------------------------------
-
-#: What a resumed run reads from its folder: the checkpoint, and the epoch rows it keeps.
-RESUME_FILES = ("weights/last.pt", "metrics.jsonl")
-#: Written last into a stash: its presence marks the stash complete, its content names the config.
-STASH_DIGEST = "config_digest"
-
-
-#: The stash folder, for the trainer's rank 0 to refresh after each checkpoint (set by :func:`launch`).
-STASH_ENV = "DETSCALE_RESUME_STASH"
-
-
-def stash_resume_files(out: Path, stash: Path, digest: str) -> bool:
-    """Hard-link the resume files of run folder ``out`` into ``stash``; False when there is no checkpoint.
-
-    Links, not copies: instant (a preempted job has seconds left), and the data survives the
-    workflow deleting the originals. A file system that refuses links gets a copy. Each file is
-    linked under a temporary name and renamed over the old one, and the digest marker is written
-    last, so a process killed at any point leaves the previous stash or the new one, never a mix
-    that restores nothing. A stash of another digest (or an incomplete one) is replaced whole.
-    """
-    if not (out / RESUME_FILES[0]).is_file():
-        return False
-    marker = stash / STASH_DIGEST
-    if stash.exists() and not (marker.is_file() and marker.read_text().strip() == digest):
-        shutil.rmtree(stash, ignore_errors=True)
-    stash.mkdir(parents=True, exist_ok=True)
-    for name in RESUME_FILES:
-        src, dst = out / name, stash / name.replace("/", "__")
-        if not src.is_file():
-            dst.unlink(missing_ok=True)
-            continue
-        if dst.exists() and os.path.samefile(src, dst):
-            continue  # linked already (metrics.jsonl grows in place); rename() would leave tmp behind
-        tmp = dst.with_name(f".{dst.name}.tmp")
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(src, tmp)
-        except OSError:
-            shutil.copy2(src, tmp)
-        os.replace(tmp, dst)
-    if not marker.is_file():
-        write_text_atomic(digest + "\n", marker)
-    log.debug("resume files of %s kept in %s (config digest %s)", out, stash, digest)
-    return True
-
-
-def refresh_resume_stash(out: Path, digest: str) -> None:
-    """Under ``detscale launch --resume-stash``: bring the stash up to the checkpoint just written."""
-    stash = os.environ.get(STASH_ENV)
-    if stash:
-        stash_resume_files(out, Path(stash), digest)
-
-
-def restore_resume_files(out: Path, stash: Path, digest: str) -> bool:
-    """Move stashed resume files back into ``out`` where it lacks them; True when a checkpoint came back.
-
-    A stash written for another config digest, or left incomplete, is deleted: resuming from it
-    would fail the trainer's checkpoint check. Files ``out`` still has win (they are as new).
-    """
-    marker = stash / STASH_DIGEST
-    if not stash.is_dir():
-        return False
-    if not marker.is_file() or marker.read_text().strip() != digest:
-        log.info("deleting the stale resume stash %s (another config, or incomplete)", stash)
-        shutil.rmtree(stash, ignore_errors=True)
-        return False
-    restored = False
-    for name in RESUME_FILES:
-        src, dst = stash / name.replace("/", "__"), out / name
-        if src.is_file() and not dst.exists():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)
-            restored = restored or name == RESUME_FILES[0]
-    shutil.rmtree(stash, ignore_errors=True)
-    if restored:
-        log.info("restored %s from the resume stash %s", out / RESUME_FILES[0], stash)
-    return restored
 
 
 @dataclass(frozen=True)

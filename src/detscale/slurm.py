@@ -24,7 +24,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from detscale.errors import UserError
+from detscale.errors import EXIT_PREEMPTED, UserError
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,6 @@ def multinode_command(
 # ---------------------------------------------------------------------------------------------
 
 #: Exit status of a run stopped by SIGTERM after writing its checkpoint (same as ``detscale launch``).
-EXIT_PREEMPTED = 75
 
 
 def describe_task(env: Mapping[str, str] | None = None) -> str:

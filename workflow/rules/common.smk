@@ -5,6 +5,7 @@ import sys
 
 from detscale import config as dsconfig
 from detscale.commands import runs as dsruns
+from detscale import files as dsfiles
 
 # set_default=False: defaults are filled by detscale.config (a filled-in seeds: [0] would clash with a
 # deprecated grid.seed).

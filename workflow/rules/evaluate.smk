@@ -10,7 +10,7 @@ rule eval_config:
         "results/logs/runs/{run}/eval_config.log",
     localrule: True
     run:
-        dsruns.write_text_atomic(dsruns.run_config_text(CFG, wildcards.run, "evaluate"), output[0])
+        dsfiles.write_text(dsruns.run_config_text(CFG, wildcards.run, "evaluate"), output[0])
 
 
 rule evaluate:

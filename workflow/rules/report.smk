@@ -10,7 +10,7 @@ rule experiment_config:
         "results/logs/experiment_config.log",
     localrule: True
     run:
-        dsruns.write_text_atomic(dsruns.experiment_config_text(CFG), output[0])
+        dsfiles.write_text(dsruns.experiment_config_text(CFG), output[0])
 
 
 rule report:

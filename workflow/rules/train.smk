@@ -37,7 +37,7 @@ rule run_config:
         "results/logs/runs/{run}/run_config.log",
     localrule: True
     run:
-        dsruns.write_text_atomic(dsruns.run_config_text(CFG, wildcards.run, "train"), output[0])
+        dsfiles.write_text(dsruns.run_config_text(CFG, wildcards.run, "train"), output[0])
 
 
 rule train:

@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from detscale import config, dist
     from detscale.comm import benchmark
-    from detscale.commands.runs import write_text_atomic
     from detscale.data.formats import load_spec
+    from detscale.files import write_text
     from detscale.model import build_model
 
     cfg = config.load(args.config)
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
             raise config.ConfigError("the all-reduce benchmark needs 2 or more ranks; launch it with --gpus 2 or more")
         result = benchmark(args.model, nc, args.imgsz, cfg.train.channels_last, iters=args.iters)
         if info.is_main:
-            write_text_atomic(json.dumps(result, indent=2) + "\n", args.out)
+            write_text(json.dumps(result, indent=2) + "\n", args.out)
             mib = result["gradient_bytes"] / 2**20
             print(f"all-reduce of {mib:.1f} MiB ({len(result['bucket_bytes'])} DDP buckets) on {info.world_size} "
                   f"{result['device']} ranks ({result['backend']}): {result['time_ms']:.2f} ms median over "

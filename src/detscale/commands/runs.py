@@ -11,15 +11,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from detscale import config
+from detscale.files import write_text
 
 HEADER = "# Written by `detscale runs --run {run}`: the experiment config narrowed to run {run}.\n"
 
@@ -69,16 +68,6 @@ def experiment_config_text(cfg: config.ExperimentConfig) -> str:
         cfg.to_dict(), sort_keys=False)
 
 
-def write_text_atomic(text: str, path: str | Path) -> Path:
-    """Write ``text`` beside ``path`` and rename it into place: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="experiment config YAML")
     parser.add_argument("--json", action="store_true", help="print each run's grid point as JSON")
@@ -93,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.run is None) != (args.out is None):
         raise config.ConfigError("--run and --out go together: `detscale runs --config C --run RUN_ID --out FILE`")
     if args.run is not None:
-        write_text_atomic(run_config_text(cfg, args.run, args.stage), args.out)
+        write_text(run_config_text(cfg, args.run, args.stage), args.out)
         return 0
     for point in cfg.runs():
         line = json.dumps({"run": point.run_id, **asdict(point)}) if args.json else point.run_id

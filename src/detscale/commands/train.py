@@ -25,6 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from detscale import config, dist
     from detscale.engine.trainer import TrainRequest, train
 
-    return train(TrainRequest(args.config, args.run, args.out, args.resume, args.data, args.cache_dir))
+    try:
+        return train(TrainRequest(args.config, args.run, args.out, args.resume, args.data, args.cache_dir))
+    except RuntimeError as exc:  # a collective timeout: say which rank stopped, not a traceback
+        stalled = dist.stall_error(exc, config.load(args.config).train.timeout_s)
+        if stalled is None:
+            raise
+        raise stalled from None

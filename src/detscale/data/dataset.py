@@ -96,7 +96,7 @@ class DetectionDataset(Dataset):
         if self.cache is None:
             return load_letterboxed(self.paths[i], self.imgsz)
         e = self.cache.entries[i]
-        return self.cache.array[i], {"orig_shape": e["orig_shape"], "ratio": e["ratio"], "pad": e["pad"]}
+        return self.cache.image(i), {"orig_shape": e["orig_shape"], "ratio": e["ratio"], "pad": e["pad"]}
 
     def _boxes(self, i: int, geometry: dict[str, Any], padded: bool) -> tuple[np.ndarray, np.ndarray]:
         """Pixel xyxy boxes and classes of image ``i`` in its letterboxed (or unpadded) frame."""

@@ -35,6 +35,7 @@ import numpy as np
 
 from detscale.data import formats
 from detscale.data.formats import DatasetError, DatasetSpec
+from detscale.files import write_text
 
 log = logging.getLogger(__name__)
 
@@ -510,12 +511,6 @@ def markdown(report: ValidationReport) -> str:
     return "\n".join(out) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _check_out(out: Path, data_yaml: Path) -> None:
     if (out / "data.yaml").resolve() == data_yaml.resolve():
         raise DatasetError(
@@ -549,8 +544,8 @@ def validate(
     images, orphans = check_dataset(spec, workers, progress)
     report = ValidationReport(str(spec.yaml_path), str(spec.root), str(out), policy, spec.names, images, orphans,
                               time.perf_counter() - start)
-    _write_atomic(out / "validation.json", json.dumps(report.to_dict(), indent=1) + "\n")
-    _write_atomic(out / "validation.md", markdown(report))
+    write_text(json.dumps(report.to_dict(), indent=1) + "\n", out / "validation.json")
+    write_text(markdown(report), out / "validation.md")
     errors = report.severity_counts()["error"]
     if errors and policy == "fail":
         where = out / "validation.md"
@@ -558,7 +553,7 @@ def validate(
             # Snakemake deletes a failed job's outputs but keeps its logs: a copy there survives.
             where = Path(failed_report).resolve()
             where.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(where, markdown(report))
+            write_text(markdown(report), where)
         raise ValidationFailed(
             f"{spec.yaml_path}: {errors} error(s) in the dataset (on_error: fail)\n{summary_text(report)}\n"
             f"Full report: {where}. Fix these files, or set dataset.on_error: quarantine "
@@ -572,7 +567,7 @@ def validate(
         )
     (out / "clean").mkdir(exist_ok=True)
     for split in images:
-        _write_atomic(out / "clean" / f"{split}.txt", "".join(f"{p}\n" for p in report.kept(split)))
+        write_text("".join(f"{p}\n" for p in report.kept(split)), out / "clean" / f"{split}.txt")
     tmp = out / ".data.yaml.tmp"
     formats.write_data_yaml(tmp, spec.names, "clean/train.txt", "clean/val.txt", out)
     os.replace(tmp, out / "data.yaml")

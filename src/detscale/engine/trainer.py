@@ -28,7 +28,7 @@ same weights as one that never stopped (the data order and augmentation are func
 
 Preemption: SIGTERM (or SIGINT) sets a flag; at the next optimiser-step boundary the ranks agree
 on it with an all-reduce (so they all stop at the same step), rank 0 writes ``last.pt`` with the
-step reached in the epoch, and every rank exits with :data:`~detscale.launch.EXIT_PREEMPTED` (75).
+step reached in the epoch, and every rank exits with :data:`~detscale.errors.EXIT_PREEMPTED` (75).
 Rerunning the same command resumes mid-epoch exactly.
 """
 
@@ -66,8 +66,9 @@ from detscale.engine.optim import (
 )
 from detscale.engine.semantics import TrainSemantics, config_digest, derive_semantics
 from detscale.engine.timing import RankTiming, StepTimer, peak_memory, timing_report
-from detscale.errors import UserError
-from detscale.launch import EXIT_PREEMPTED, refresh_resume_stash
+from detscale.errors import EXIT_PREEMPTED, UserError
+from detscale.files import refresh_resume_stash, save_torch
+from detscale.files import write_json as write_json_file
 
 log = logging.getLogger(__name__)
 
@@ -549,14 +550,12 @@ def find_resume_checkpoint(paths: RunPaths, resume: bool, digest: str, world_siz
 
 def save_last(save: dict[str, Any], paths: RunPaths, digest: str) -> None:
     """Write ``last.pt`` atomically and bring the launcher's resume stash up to it (when there is one)."""
-    ckpt_io.atomic_save(save, paths.last)
+    save_torch(save, paths.last)
     refresh_resume_stash(paths.out, digest)
 
 
 def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json_file(obj, path, indent=2)
 
 
 def append_metrics(path: Path, row: dict[str, Any]) -> None:
@@ -791,7 +790,7 @@ def _epochs(parts: Parts, train_loader: Any, val_loader: Any | None, progress: P
             append_metrics(paths.metrics, row)
             save_last(save, paths, digest)
             if improved:
-                ckpt_io.atomic_save(save, paths.best)
+                save_torch(save, paths.best)
             log.info("epoch %d/%d: loss box %.4f cls %.4f dfl %.4f, %.1f s%s", epoch + 1, sem.epochs,
                      *result.losses, result.seconds,
                      f", mAP@0.5:0.95 {row['map50_95']:.4f}" if "map50_95" in row else "")

@@ -26,8 +26,6 @@ import io
 import json
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from detscale.data.formats import DatasetError, DatasetSpec, label_path_for, read_labels
+from detscale.files import write_json
 
 log = logging.getLogger(__name__)
 
@@ -57,24 +56,6 @@ _SWAPPING_ORIENTATIONS = {5, 6, 7, 8}
 # ---------------------------------------------------------------------------------------------
 # Files
 # ---------------------------------------------------------------------------------------------
-
-
-def write_json_atomic(obj: Any, path: str | Path, indent: int | None = None) -> Path:
-    """Write ``obj`` as JSON through a temporary file, fsync and rename (never a half file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=indent)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def image_size(path: Path) -> tuple[int, int]:
@@ -143,7 +124,7 @@ def yolo_to_coco(spec: DatasetSpec, split: str, out_json: str | Path) -> Path:
     """Write the COCO ground truth of ``split`` to ``out_json`` (atomically) and return the path."""
     gt = coco_ground_truth(spec, split)
     log.info("ground truth %s: %d images, %d boxes", out_json, len(gt["images"]), len(gt["annotations"]))
-    return write_json_atomic(gt, out_json)
+    return write_json(gt, out_json)
 
 
 def ensure_coco_gt(spec: DatasetSpec, split: str, out_json: str | Path) -> Path:

@@ -18,7 +18,8 @@ from torch import nn
 
 from detscale import dist
 from detscale.errors import UserError
-from detscale.metrics.coco import compute_metrics, ensure_coco_gt, write_json_atomic
+from detscale.files import UnsafeFileError, load_torch, write_json
+from detscale.metrics.coco import compute_metrics, ensure_coco_gt
 from detscale.metrics.predict import EvalSettings, gather_image_ids, gather_predictions, predict_with_ids
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ def load_checkpoint(weights: str | Path) -> dict[str, Any]:
             f"weights file {path} does not exist; train the run first (results/runs/RUN/weights/last.pt)"
         )
     try:
-        # Our own artifact: it carries RNG states (numpy arrays), which weights_only=True refuses.
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = load_torch(path)
+    except UnsafeFileError:
+        raise
     except Exception as exc:  # truncated file, not a torch file, ...
         raise CheckpointError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {exc})") from None
     missing = [k for k in REQUIRED_CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
@@ -175,11 +177,11 @@ def _metrics_on_main(
     gt_json = ensure_coco_gt(spec, split, gt_json)
     predictions_json = None
     if out_dir is not None:
-        predictions_json = write_json_atomic(detections, Path(out_dir) / "predictions.json")
+        predictions_json = write_json(detections, Path(out_dir) / "predictions.json")
     metrics = compute_metrics(gt_json, detections)
     metrics["ground_truth"] = str(gt_json)
     metrics["predictions"] = None if predictions_json is None else str(predictions_json)
     if out_dir is not None:
-        write_json_atomic(metrics, Path(out_dir) / "eval.json", indent=2)
+        write_json(metrics, Path(out_dir) / "eval.json", indent=2)
     log.info("evaluated %d images: %d detections, mAP@0.5:0.95 %s", n, len(detections), metrics["map50_95"])
     return metrics

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from detscale import config as dsconfig
+from detscale.files import write_text
 from detscale.report import accuracy, html, plots, projection, tables
 
 log = logging.getLogger(__name__)
@@ -170,15 +170,6 @@ def comm_markdown(comm: Sequence[Mapping[str, Any]]) -> list[str]:
             "|---" * len(header) + "|", *("| " + " | ".join(row) + " |" for row in body)]
 
 
-def _write_atomic(text: str | bytes, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    if isinstance(text, bytes):
-        tmp.write_bytes(text)
-    else:
-        tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def contention_note(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """On CPU ranks: a warning when the ranks and their loader workers want more cores than the host has."""
     crowded = []
@@ -252,16 +243,15 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
             shutil.move(path, plot_paths[name])
 
     csv_path = out / "scaling.csv"
-    tmp_csv = tables.write_csv(rows, out / ".scaling.csv.tmp")
-    os.replace(tmp_csv, csv_path)
+    tables.write_csv(rows, csv_path)
     md_path = out / "scaling.md"
     md = (tables.markdown(rows, notes + [methods(rows, cfg)[-1]]) + "\n" + "\n".join(accuracy.markdown(deltas))
           + "\n" + "\n".join(comm_markdown(comm) + projection.markdown(projections, no_projection)))
-    _write_atomic(md + "\n", md_path)
+    write_text(md + "\n", md_path)
     run_configs = {r.point.run_id: (r.run_dir / "config.yaml").read_text() for r in runs}
     page = html.render(rows, plot_paths, notes, methods(rows, cfg), envs, config_path.read_text(),
                        str(config_path), run_configs, deltas, comm, projections, no_projection)
     html_path = out / "index.html"
-    _write_atomic(page, html_path)
+    write_text(page, html_path)
     log.info("report of %d run(s) written to %s", len(rows), out)
     return ReportFiles(csv_path, md_path, html_path, plot_paths)

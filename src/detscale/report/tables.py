@@ -264,13 +264,13 @@ def scaling_rows(runs: Sequence[RunArtifacts]) -> list[dict[str, Any]]:
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """``scaling.csv``: the contract's columns first, then every other measured field."""
+    """``scaling.csv`` (atomically): the contract's columns first, then every other measured field."""
     import pandas as pd
 
+    from detscale.files import write_text
+
     frame = pd.DataFrame(list(rows), columns=list(COLUMNS))
-    path = Path(path)
-    frame.to_csv(path, index=False, float_format="%.6g")
-    return path
+    return write_text(frame.to_csv(index=False, float_format="%.6g"), path)
 
 
 @dataclass(frozen=True)
