@@ -178,7 +178,7 @@ def test_comm_benchmark_on_two_cpu_ranks(tmp_path: Path) -> None:
     cfg.write_text(CONFIG.format(batch=2, scaling="weak"))
     out_json = tmp_path / "comm" / "gelan-t_64_g2.json"
     args = ["--config", str(cfg), "--model", "gelan-t", "--imgsz", "64", "--data", str(data), "--out", str(out_json),
-            "--iters", "3"]
+            "--iters", "3", "--batch", "2"]
     refused = subprocess.run([sys.executable, "-m", "detscale", "launch", "--gpus", "2", "--resume-stash",
                               str(tmp_path / "stash"), "--", "comm", *args], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "nothing to resume" in refused.stderr
@@ -195,7 +195,12 @@ def test_comm_benchmark_on_two_cpu_ranks(tmp_path: Path) -> None:
     assert result["busbw_GBps"] == pytest.approx(result["algbw_GBps"])
     assert result["algbw_GBps"] == pytest.approx(grads / (result["time_ms"] / 1000) / 1e9)
     assert result["fit"]["busbw_GBps"] > 0
-    assert "all-reduce of" in out.stdout and "GB/s" in out.stdout
+    # the contention probe: rank 0 alone vs both ranks at once, at the given batch
+    probe = result["contention"]
+    assert probe["batch"] == 2 and probe["alone_ms"] > 0 and probe["together_ms"] > 0
+    assert probe["factor"] == pytest.approx(probe["together_ms"] / probe["alone_ms"])
+    assert "all-reduce of" in out.stdout and "GB/s" in out.stdout and "contention: a rank's forward+backward x" in \
+        out.stdout
 
 
 def test_sigterm_is_forwarded_and_gives_the_requeue_code(tmp_path: Path) -> None:

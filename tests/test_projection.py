@@ -10,7 +10,7 @@ import pytest
 
 from detscale import config as dsconfig
 from detscale.report.build import build_report, contention_note
-from detscale.report.projection import Baseline, Fabric, exposed_comm_s, project
+from detscale.report.projection import Baseline, Fabric, contention_for, exposed_comm_s, project
 from test_report import write_config, write_run
 
 LINK = Fabric("test", latency_s=1e-3, busbw_Bps=1e9, source="test")
@@ -54,11 +54,31 @@ def test_cpu_roofline_binds_when_ranks_and_loaders_want_more_cores_than_the_node
     # each rank needs 90 ms of CPU per step and its workers 5 ms per image: 130 ms per step on 2 cores
     b = base(cores=2, loader_s_per_image=0.005)
     four = project(b, [10**6], 4, 1, LINK, LINK)
-    assert four.cpu_bound and four.compute_s == pytest.approx(4 * (0.09 + 0.04) / 2)
+    # (on CPU ranks the all-reduce is CPU work too)
+    assert four.cpu_bound and four.compute_s == pytest.approx(4 * (0.09 + 0.04 + LINK.allreduce_s(10**6, 4)) / 2)
+    assert four.step_s == pytest.approx(four.compute_s)
     # strong scaling: the global batch is split, the per-rank work shrinks with it
     strong = project(base(scaling="strong", cores=64), [10**6], 4, 1, LINK, LINK)
     assert strong.compute_s == pytest.approx(0.1 * 2 / 8) and strong.images_per_s == pytest.approx(
         8 / strong.step_s)
+
+
+def test_fewer_accumulated_batches_make_the_optimiser_a_larger_share():
+    # 1 GPU accumulates 4 batches of 8 (nominal 32), so 20 ms of optimiser per step is 5 ms per batch;
+    # 2 GPUs accumulate 2: 10 ms per batch; 4 GPUs 1: 20 ms per batch; 8 GPUs still 1.
+    b = base(optimizer_s=0.005, accumulate=4, cores=64)
+    assert [b.accumulate_for(n, 8) for n in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    steps = {n: project(b, [10**3], n, 1, LINK, LINK).compute_s for n in (1, 2, 4, 8)}
+    assert steps[1] == pytest.approx(0.1)
+    assert steps[2] == pytest.approx(0.105) and steps[4] == pytest.approx(0.115) and steps[8] == pytest.approx(0.115)
+
+
+def test_contention_slows_every_rank_of_a_node_but_not_one_rank():
+    b = base(cores=64)
+    assert project(b, [10**3], 1, 4, LINK, LINK, contention=1.2).compute_s == pytest.approx(0.1)
+    assert project(b, [10**3], 2, 1, LINK, LINK, contention=1.2).compute_s == pytest.approx(0.12)
+    assert contention_for({2: 1.1, 4: 1.3}, 1) == 1.0 and contention_for({2: 1.1, 4: 1.3}, 3) == 1.1
+    assert contention_for({2: 1.1, 4: 1.3}, 8) == 1.3 and contention_for({}, 8) == 1.0
 
 
 def test_nodes_use_the_slower_fabric():
@@ -103,9 +123,9 @@ def test_report_shows_communication_projection_and_its_error(tmp_path: Path):
     files = build_report([one, two], cfg_path, tmp_path / "report", [comm])
     md = files.markdown.read_text()
     assert "## Communication" in md and "| gelan-t | 64 | 2 cpu | gloo | 5.7 | 2 | 6.50 |" in md
-    # predicted at 2 ranks: CPU roofline 2 x (90 + 2 x 8) / 2 = 106 ms, plus the exposed all-reduce
-    exposed = exposed_comm_s([4 * 10**6, 2 * 10**6], 0.040, 2, Fabric("m", 1e-4, 1e9, ""))
-    predicted = 16 / (0.106 + exposed)
+    # predicted at 2 ranks: the CPU roofline binds, 2 x (90 + 2 x 8 + the all-reduce, CPU work here) / 2 cores
+    fabric = Fabric("m", 1e-4, 1e9, "")
+    predicted = 16 / (0.106 + fabric.allreduce_s(4 * 10**6, 2) + fabric.allreduce_s(2 * 10**6, 2))
     assert f"| 2 | 120.0 | {predicted:.1f} | {(predicted - 120) / 120:+.1%} |" in md
     assert "| 1 | 80.0 | 80.0 | +0.0% |" in md
     page = files.html.read_text()

@@ -7,6 +7,11 @@ in flight together, ``iters`` times after ``warmup`` untimed rounds. A sweep ove
 gives the two constants of the alpha-beta model the scaling projection uses,
 ``t(S) = latency + S * 2 (n - 1) / n / busbw``, fitted by least squares.
 
+A contention probe times the model's forward and backward on one rank alone (the others wait)
+and on every rank at once: the ratio is how much a rank's own work slows when all ranks of the
+node compute together (shared caches and memory bandwidth of CPU ranks, the host side of the
+cards), the projection's ``contention`` factor.
+
 Figures follow nccl-tests' definitions for all-reduce: algorithm bandwidth ``algbw = S / t``
 and bus bandwidth ``busbw = algbw * 2 (n - 1) / n`` (what each link carries in a ring, so it is
 comparable across rank counts).
@@ -77,6 +82,44 @@ def ddp_bucket_bytes(model_name: str, nc: int, imgsz: int, channels_last: bool, 
     return buckets
 
 
+def contention_probe(model_name: str, nc: int, imgsz: int, channels_last: bool, device: torch.device, batch: int,
+                     steps: int = 6, warmup: int = 2) -> dict[str, float]:
+    """Median forward+backward seconds of a batch on rank 0 alone and on all ranks at once, and their ratio."""
+    from detscale.loss import DetectionLoss
+    from detscale.model import build_model
+
+    torch.manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = build_model(model_name, nc).to(device).to(memory_format=fmt).train()
+    criterion = DetectionLoss(model)
+    x = torch.rand(batch, 3, imgsz, imgsz, device=device).contiguous(memory_format=fmt)
+    targets = torch.tensor([[i, i % nc, 0.5, 0.5, 0.4, 0.4] for i in range(batch)], device=device, dtype=torch.float32)
+
+    def timed() -> list[float]:
+        times = []
+        for k in range(warmup + steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            loss, _ = criterion(model(x), targets)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            _sync(device)
+            if k >= warmup:
+                times.append(time.perf_counter() - t0)
+        return times
+
+    dist.barrier()
+    alone = timed() if dist.get_rank() == 0 else []
+    dist.barrier()
+    together = timed()
+    dist.barrier()
+    alone_s = statistics.median(dist.all_gather_object(alone)[0])
+    # every rank's median, then the slowest rank: a step waits for the slowest
+    together_s = max(statistics.median(ts) for ts in dist.all_gather_object(together))
+    return {"batch": batch, "steps": steps, "alone_ms": 1000 * alone_s, "together_ms": 1000 * together_s,
+            "factor": together_s / alone_s}
+
+
 def fit_alpha_beta(sizes: list[int], seconds: list[float], world: int) -> tuple[float, float]:
     """``(latency s, busbw bytes/s)`` of ``t = latency + S * bus_factor / busbw`` by least squares."""
     slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
@@ -85,7 +128,7 @@ def fit_alpha_beta(sizes: list[int], seconds: list[float], world: int) -> tuple[
 
 
 def benchmark(model_name: str, nc: int, imgsz: int, channels_last: bool, iters: int = 20,
-              warmup: int = 5, sweep_iters: int = 10) -> dict[str, Any]:
+              warmup: int = 5, sweep_iters: int = 10, batch: int = 16) -> dict[str, Any]:
     """Run on every rank of an initialised process group; every rank returns the same result."""
     import torch.distributed as tdist
 
@@ -103,6 +146,7 @@ def benchmark(model_name: str, nc: int, imgsz: int, channels_last: bool, iters: 
         sweep.append({"bytes": size, "time_ms": 1000 * t, "algbw_GBps": size / t / 1e9,
                       "busbw_GBps": size / t / 1e9 * bus_factor(world)})
     latency, busbw = fit_alpha_beta([s["bytes"] for s in sweep], [s["time_ms"] / 1000 for s in sweep], world)
+    contention = contention_probe(model_name, nc, imgsz, channels_last, device, batch)
     return {
         "model": model_name, "imgsz": imgsz, "nc": nc, "world_size": world, "backend": tdist.get_backend(),
         "device": device.type, "bucket_bytes": buckets, "gradient_bytes": total, "iters": iters, "warmup": warmup,
@@ -110,4 +154,5 @@ def benchmark(model_name: str, nc: int, imgsz: int, channels_last: bool, iters: 
         "time_ms_p90": 1000 * float(np.percentile(rounds, 90)),
         "algbw_GBps": total / median / 1e9, "busbw_GBps": total / median / 1e9 * bus_factor(world),
         "sweep": sweep, "fit": {"latency_us": 1e6 * latency, "busbw_GBps": busbw / 1e9},
+        "contention": contention,
     }

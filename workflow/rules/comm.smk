@@ -15,6 +15,8 @@ rule comm:
         gpus=r"\d+",
     params:
         threads=CFG.train.cpu_threads_per_rank,
+        # the contention probe's batch per rank: the grid's largest
+        batch=max(CFG.grid.batch),
     conda:
         CONDA_ENV
     log:
@@ -25,4 +27,5 @@ rule comm:
         timed_run=TIMED_RUN,
     shell:
         "detscale launch --gpus {wildcards.gpus} --threads {params.threads} -- comm --config {input.config}"
-        " --model {wildcards.model} --imgsz {wildcards.imgsz} --data {input.data} --out {output} > {log} 2>&1"
+        " --model {wildcards.model} --imgsz {wildcards.imgsz} --batch {params.batch} --data {input.data}"
+        " --out {output} > {log} 2>&1"

@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, type=Path, help="data.yaml (for the number of classes)")
     parser.add_argument("--out", required=True, type=Path, help="JSON to write (results/comm/...json)")
     parser.add_argument("--iters", type=int, default=20, help="timed rounds of the whole gradient (default 20)")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="batch per rank of the contention probe (the grid point's; default 16)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     with dist.process_group(cfg.train.timeout_s, cfg.train.cpu_threads_per_rank) as info:
         if info.world_size < 2:
             raise config.ConfigError("the all-reduce benchmark needs 2 or more ranks; launch it with --gpus 2 or more")
-        result = benchmark(args.model, nc, args.imgsz, cfg.train.channels_last, iters=args.iters)
+        result = benchmark(args.model, nc, args.imgsz, cfg.train.channels_last, iters=args.iters,
+                           batch=args.batch)
         if info.is_main:
             write_text(json.dumps(result, indent=2) + "\n", args.out)
             mib = result["gradient_bytes"] / 2**20
@@ -44,5 +47,6 @@ def run(args: argparse.Namespace) -> int:
                   f"{result['device']} ranks ({result['backend']}): {result['time_ms']:.2f} ms median over "
                   f"{result['iters']} rounds, algbw {result['algbw_GBps']:.2f} GB/s, busbw {result['busbw_GBps']:.2f} "
                   f"GB/s; fit: latency {result['fit']['latency_us']:.0f} us, busbw {result['fit']['busbw_GBps']:.2f} "
-                  f"GB/s -> {args.out}")
+                  f"GB/s; contention: a rank's forward+backward x{result['contention']['factor']:.3f} with all "
+                  f"{info.world_size} ranks busy -> {args.out}")
     return 0

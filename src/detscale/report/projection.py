@@ -4,15 +4,23 @@ From the measured 1-GPU run of a point (its step breakdown and CPU demand) and t
 all-reduce (DDP's buckets, an alpha-beta model per fabric), the step of ``g`` GPUs per node on
 ``m`` nodes is predicted as
 
-    step(g, m) = max(T1 * f, g * (cpu * f + loader * b) / cores) + exposed(g * m)
+    step(g, m) = max(T * c + exposed(g * m), g * (cpu * c + loader * b + comm_cpu) / cores)
 
-- ``T1``: the measured 1-GPU step (data wait included); ``f = b / b1`` scales it to the batch
-  per GPU of the projected point (1 for weak scaling);
+- ``T``: the measured 1-GPU step (data wait included), scaled by ``f = b / b1`` to the batch per
+  GPU of the projected point (1 for weak scaling), with its optimiser share re-counted for the
+  accumulation of ``g * m`` GPUs: with a nominal batch, 1 GPU accumulating ``a1`` batches steps
+  the optimiser once per ``a1`` batches, N GPUs once per ``aN = max(round(a1 b1 / (N b)), 1)``,
+  so the optimiser's time per batch grows by ``a1 / aN`` (the breakdown is per batch);
+- ``c``: the slowdown of a rank's own work when ``g`` ranks of a node compute at the same time
+  (shared caches, memory bandwidth, the host side of the cards), measured by the communication
+  benchmark's contention probe on that many ranks (1 for one rank; the largest measured count
+  beyond it);
 - the second term is a roofline on the node's CPU cores: every rank's process needs ``cpu`` CPU
-  milliseconds per step and its loader workers ``loader`` per image (both measured in the 1-GPU
-  run, ``/proc`` and ``process_time``); ``cores`` is what the measured host gave the run. On a
-  GPU host it is the data loader's ceiling; on the CPU analogue here it is also the contention of
-  the ranks themselves for cores;
+  milliseconds per step (re-counted for the accumulation as ``T``) and its loader workers
+  ``loader`` per image (both measured in the 1-GPU run, ``/proc`` and ``process_time``);
+  ``cores`` is what the measured host gave the run. On a GPU host it is the data loader's
+  ceiling; on the CPU analogue here it is also the contention of the ranks themselves for cores,
+  and there the all-reduce itself is CPU work (``comm_cpu``, its modelled time; 0 on GPUs);
 - ``exposed``: the all-reduce time the backward does not hide. DDP hands its buckets to the
   all-reduce as their gradients are ready, one after another on one stream; bucket ``k`` is taken
   to be ready when the backward has produced its share of the gradient bytes, and what is still
@@ -22,8 +30,8 @@ all-reduce (DDP's buckets, an alpha-beta model per fabric), the step of ``g`` GP
   bandwidth.
 
 What it leaves out: the all-reduce slowing the backward it overlaps (shared memory bandwidth or
-SMs), stragglers, the loader's own memory bandwidth, and a CPU all-reduce competing for the cores
-it is measured on. Its error on every measured point is reported beside it.
+SMs), stragglers, and the loader's own memory bandwidth. Its error on every measured point is
+reported beside it.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -86,6 +94,12 @@ class Baseline:
     cores: int
     device: str
     scaling: str  # weak: the batch per GPU stays; strong: the global batch stays
+    optimizer_s: float = 0.0  # optimiser + EMA per batch (one optimiser step per `accumulate` batches)
+    accumulate: int = 1
+
+    def accumulate_for(self, gpus: int, batch: int) -> int:
+        """The trainer's accumulation for ``gpus`` GPUs of ``batch`` images: the same images per optimiser step."""
+        return max(round(self.accumulate * self.batch / (gpus * batch)), 1)
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> Baseline | None:
@@ -100,12 +114,16 @@ class Baseline:
 
         cpu = med("cpu_ms_per_step")
         loader = med("loader_cpu_ms_per_image")
+        optimizer = med("optimizer_ms")
+        accumulate = med("accumulate")
         return cls(step_s=med("step_ms") / 1000, backward_s=med("backward_ms") / 1000,
                    batch=int(ones[0]["batch_per_gpu"]),
                    cpu_s=None if math.isnan(cpu) else cpu / 1000,
                    loader_s_per_image=0.0 if math.isnan(loader) else loader / 1000,
                    cores=int(ones[0].get("cpu_cores") or 1), device=str(ones[0]["device"]),
-                   scaling=str(ones[0]["scaling"]))
+                   scaling=str(ones[0]["scaling"]),
+                   optimizer_s=0.0 if math.isnan(optimizer) else optimizer / 1000,
+                   accumulate=1 if math.isnan(accumulate) else int(accumulate))
 
 
 @dataclass(frozen=True)
@@ -125,25 +143,34 @@ class Projected:
 
 
 def project(base: Baseline, buckets: Sequence[int], gpus_per_node: int, nodes: int, intra: Fabric,
-            inter: Fabric) -> Projected:
-    """The predicted step of ``gpus_per_node`` GPUs on each of ``nodes`` nodes (see the module docstring)."""
+            inter: Fabric, contention: float = 1.0) -> Projected:
+    """The predicted step of ``gpus_per_node`` GPUs on each of ``nodes`` nodes (see the module docstring).
+
+    ``contention``: the slowdown of a rank's work with ``gpus_per_node`` ranks busy on its node.
+    """
     n = gpus_per_node * nodes
     batch = base.batch if base.scaling == "weak" else max(base.batch // n, 1)
     f = batch / base.batch
-    cpu_bound = 0.0
-    if base.cpu_s is not None:
-        cpu_bound = gpus_per_node * (base.cpu_s * f + base.loader_s_per_image * batch) / base.cores
-    compute = max(base.step_s * f, cpu_bound)
+    c = contention if gpus_per_node > 1 else 1.0
+    # the optimiser's time per batch for this accumulation (it steps once per `acc` batches)
+    extra_optimizer = base.optimizer_s * (base.accumulate / base.accumulate_for(n, batch) - 1)
+    own = (base.step_s + extra_optimizer) * f * c
     if nodes > 1:
         fabric = Fabric(f"{intra.name} + {inter.name}", max(intra.latency_s, inter.latency_s),
                         min(intra.busbw_Bps if gpus_per_node > 1 else math.inf, inter.busbw_Bps), "")
     else:
         fabric = intra
-    exposed = exposed_comm_s(buckets, base.backward_s * f, n, fabric)
-    step = compute + exposed
+    exposed = exposed_comm_s(buckets, base.backward_s * f * c, n, fabric)
+    cpu_bound = 0.0
+    if base.cpu_s is not None:
+        comm_cpu = sum(fabric.allreduce_s(b, n) for b in buckets) if base.device == "cpu" else 0.0
+        cpu_bound = gpus_per_node * ((base.cpu_s + extra_optimizer) * f * c + base.loader_s_per_image * batch
+                                     + comm_cpu) / base.cores
+    step = max(own + exposed, cpu_bound)
     ips = n * batch / step
     ips1 = base.batch / base.step_s
-    return Projected(gpus_per_node, nodes, step, compute, exposed, cpu_bound > base.step_s * f, ips, ips / (n * ips1))
+    return Projected(gpus_per_node, nodes, step, max(own, cpu_bound), exposed, cpu_bound > own + exposed,
+                     ips, ips / (n * ips1))
 
 
 @dataclass
@@ -156,6 +183,24 @@ class GroupProjection:
     errors: list[tuple[int, float, float, float]]
     gradient_bytes: int
     buckets: int
+    #: ranks per node -> measured slowdown of a rank's work with that many busy (contention probe)
+    contention: dict[int, float] = field(default_factory=dict)
+    accumulate: int = 1
+
+
+def contention_by_ranks(comm: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """Ranks -> the contention probe's slowdown, from the communication benchmarks that ran it."""
+    return {int(c["world_size"]): float(c["contention"]["factor"]) for c in comm if c.get("contention")}
+
+
+def contention_for(slowdown: Mapping[int, float], ranks: int) -> float:
+    """The slowdown of ``ranks`` busy ranks: measured for that count, else the largest count measured below it."""
+    if ranks < 2 or not slowdown:
+        return 1.0
+    if ranks in slowdown:
+        return slowdown[ranks]
+    below = [k for k in slowdown if k <= ranks]
+    return slowdown[max(below)] if below else 1.0
 
 
 def _comm_for(comm: Sequence[Mapping[str, Any]], model: str, imgsz: int) -> list[Mapping[str, Any]]:
@@ -187,15 +232,19 @@ def project_groups(rows: Sequence[Mapping[str, Any]], comm: Sequence[Mapping[str
             intra = fabric_from_config(pcfg.intra_node, pcfg.fabrics)
         inter = fabric_from_config(pcfg.inter_node, pcfg.fabrics)
         buckets = [int(b) for b in largest["bucket_bytes"]]
-        grid = [project(base, buckets, g, m, intra, inter) for m in pcfg.nodes for g in pcfg.gpus_per_node]
+        slowdown = contention_by_ranks(results)
+        grid = [project(base, buckets, g, m, intra, inter, contention_for(slowdown, g))
+                for m in pcfg.nodes for g in pcfg.gpus_per_node]
         errors = []
         for gpus in sorted({int(r["gpus"]) for r in members if int(r["nodes"]) == 1}):
             measured = statistics.median(float(r["images_per_s"]) for r in members if int(r["gpus"]) == gpus)
             # a measured point is predicted with the fabric it ran on: its own rank count's benchmark
             own = next((c for c in results if int(c["world_size"]) == gpus), largest)
-            predicted = project(base, buckets, gpus, 1, fabric_from_comm(own), inter).images_per_s
+            predicted = project(base, buckets, gpus, 1, fabric_from_comm(own), inter,
+                                contention_for(slowdown, gpus)).images_per_s
             errors.append((gpus, measured, predicted, (predicted - measured) / measured))
-        out.append(GroupProjection(group, intra, inter, grid, errors, int(largest["gradient_bytes"]), len(buckets)))
+        out.append(GroupProjection(group, intra, inter, grid, errors, int(largest["gradient_bytes"]), len(buckets),
+                                   slowdown, base.accumulate))
     return out, skipped
 
 
@@ -206,7 +255,12 @@ def markdown(projections: Sequence[GroupProjection], skipped: Sequence[str]) -> 
                   f"Gradient {p.gradient_bytes / 2**20:.1f} MiB in {p.buckets} DDP bucket(s); within a node: "
                   f"{p.intra.name} (latency {p.intra.latency_s * 1e6:.0f} us, busbw {p.intra.busbw_Bps / 1e9:.2f} "
                   f"GB/s); between nodes: {p.inter.name} ({p.inter.latency_s * 1e6:.0f} us, "
-                  f"{p.inter.busbw_Bps / 1e9:.1f} GB/s; {p.inter.source}).", ""]
+                  f"{p.inter.busbw_Bps / 1e9:.1f} GB/s; {p.inter.source}).",
+                  "Contention (a rank's own work with all ranks of a node busy, measured by the communication "
+                  "benchmark): " + (", ".join(f"x{v:.3f} at {k} ranks" for k, v in sorted(p.contention.items()))
+                                    or "not measured (x1)") + "; beyond the largest measured count the same factor. "
+                  f"The 1-GPU run accumulated {p.accumulate} batch(es) per optimiser step: fewer at more GPUs, "
+                  "so the optimiser's share of a batch grows.", ""]
         lines += ["| measured GPUs | measured img/s | projected img/s | error |", "|---|---|---|---|"]
         lines += [f"| {g} | {m:.1f} | {q:.1f} | {e:+.1%} |" for g, m, q, e in p.errors]
         gpn = sorted({x.gpus_per_node for x in p.grid})

@@ -206,6 +206,7 @@ def run_row(run: RunArtifacts) -> dict[str, Any]:
         **{f"{k}_ms": _as_float((t.get("step_breakdown_ms") or {}).get(k))
            for k in ("forward", "backward", "comm", "optimizer", "other")},
         "cpu_ms_per_step": _as_float(t.get("cpu_ms_per_step")),
+        "accumulate": _as_float(t.get("accumulate")),
         "loader_cpu_ms_per_image": _as_float(t.get("loader_cpu_ms_per_image")),
         "cpu_cores": int(run.env.get("cpu_affinity") or run.env.get("cpu_cores_logical") or 0),
         "threads_per_rank": _as_float(t.get("threads_per_rank")),
