@@ -1,7 +1,8 @@
 """Slurm: host lists and allocation helpers (unit), and a real Slurm cluster on this machine (``slurm``).
 
 The cluster tests bring up ``tests/slurm/cluster.sh`` (Debian's slurmctld, munge and two slurmd
-on this machine, nodes dsnode1 and dsnode2 with 4 fake GPUs each) and submit real jobs to it.
+on this machine, nodes dsnode1 and dsnode2 with the machine's real CPUs and memory and 4 fake
+GPUs each; partition ``debug``, and ``maint`` set DOWN) and submit real jobs to it.
 They are skipped, with the script's output as the reason, where the cluster cannot be started
 (not root, no apt); set ``DETSCALE_REQUIRE_SLURM=1`` (as CI should) to make that a failure instead.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from detscale import slurm
+from detscale import slurm, slurmfit
 from detscale.errors import EXIT_PREEMPTED
 from detscale.slurm import SlurmError, expand_hostlist
 from helpers import tiny_dataset
@@ -259,6 +260,8 @@ TINY = {
     "train": {"warmup_epochs": 0, "close_mosaic": 0, "workers": 0, "timing_warmup_steps": 1, "nominal_batch": 4},
     "augment": {"mosaic": 0.0},
     "eval": {"batch": 4},
+    # The data jobs' CPU ask: the test nodes have the machine's real CPUs (2 here).
+    "placement": {"data_threads": 1},
 }
 
 
@@ -305,10 +308,7 @@ def _snakemake_command(tmp_path: Path, config: dict, *args: str) -> tuple[list[s
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(work),
-           "--configfile", str(config_file), "--profile", str(_test_profile(tmp_path / "profile")),
-           # rule synth_dataset has `threads: workflow.cores`, which needs --cores even on a cluster;
-           # 4 is also all the test node has, so Snakemake never queues more than Slurm can run.
-           "--cores", "4", *args]
+           "--configfile", str(config_file), "--profile", str(_test_profile(tmp_path / "profile")), *args]
     return cmd, env, work
 
 
@@ -444,3 +444,195 @@ def test_requeued_training_resumes(cluster: None, tmp_path: Path) -> None:
     assert "from the resume stash" in log and "resuming from" in log, log[-3000:]
     assert len(metrics.read_text().splitlines()) == 6
     assert (work / "results" / "report" / "index.html").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Does a job fit its partition (unit: sinfo / scontrol / squeue answers given as text)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fake_slurm(partitions: dict[str, tuple[str, str]], default: str = "debug",
+                queue: str = "", calls: list[list[str]] | None = None):
+    """A runner answering sinfo/scontrol/squeue/scancel as a cluster of ``partitions`` (name -> scontrol, sinfo -N)."""
+    def run(cmd):
+        if calls is not None:
+            calls.append(list(cmd))
+        if cmd[:3] == ["sinfo", "-h", "-o"]:
+            return " ".join(p + ("*" if p == default else "") for p in partitions) + "\n"
+        if cmd[:3] == ["scontrol", "show", "partition"]:
+            if cmd[3] not in partitions:
+                raise slurmfit.SlurmFitError(f"Partition {cmd[3]} not found")
+            return partitions[cmd[3]][0]
+        if cmd[:3] == ["sinfo", "-h", "-N"]:
+            return partitions[cmd[4]][1]
+        if cmd[0] == "squeue":
+            return queue
+        if cmd[0] == "scancel":
+            return ""
+        raise AssertionError(cmd)
+    return run
+
+
+SMALL = ("PartitionName=debug AllowGroups=ALL MaxNodes=UNLIMITED MaxTime=01:00:00 State=UP TotalNodes=2\n",
+         "dsnode1|2|3900|gpu:4|idle\ndsnode2|2|3900|gpu:4|idle\n")
+
+
+def test_ask_from_resources_as_the_plugin_submits() -> None:
+    data = slurmfit.ask_from_resources("group data", ["validate_dataset"], 8, {"mem_mb": 8000, "runtime": 60})
+    assert (data.cpus_per_node, data.cpu_source, data.mem_mb_per_node, data.gpus_per_node) == (8, "threads", 8000, 0)
+    train = slurmfit.ask_from_resources("rule train", ["train"], 2, {"gpu": 2, "cpus_per_gpu": 4, "mem_mb": 32000})
+    assert (train.cpus_per_node, train.cpu_source, train.gpus_per_node) == (8, "cpus_per_gpu", 2)
+    multi = slurmfit.ask_from_resources("rule train_multinode", ["train_multinode"], 1, {
+        "gpu": 4, "nodes": 2, "tasks": 2, "cpus_per_gpu": 3, "slurm_extra": "--gpus-per-node=2 --signal=TERM@300"})
+    assert (multi.nodes, multi.gpus_per_node, multi.cpus_per_node) == (2, 2, 6)
+    per_cpu = slurmfit.ask_from_resources("rule evaluate", ["evaluate"], 2, {"mem_mb_per_cpu": 1000, "gpu": 0,
+                                                                             "cpus_per_gpu": 4})
+    assert (per_cpu.cpus_per_node, per_cpu.cpu_source, per_cpu.mem_mb_per_node) == (2, "threads", 2000)
+    assert slurmfit.slurm_minutes("1-02:30:00") == 1590 and slurmfit.slurm_minutes("UNLIMITED") is None
+    assert slurmfit.slurm_minutes("90") == 90 and slurmfit.slurm_minutes("01:00:00") == 60
+
+
+def test_check_names_rule_ask_largest_node_and_key() -> None:
+    run = _fake_slurm({"debug": SMALL})
+    asks = [
+        slurmfit.ask_from_resources("group data (synth_dataset, validate_dataset, cache_dataset)",
+                                    ["synth_dataset", "validate_dataset", "cache_dataset"], 8,
+                                    {"slurm_partition": "debug", "mem_mb": 1000, "runtime": 60}),
+        slurmfit.ask_from_resources("rule train (run=x)", ["train"], 2,
+                                    {"slurm_partition": "debug", "gpu": 2, "cpus_per_gpu": 1, "mem_mb": 2000,
+                                     "runtime": 720}),
+        slurmfit.ask_from_resources("rule evaluate (run=x)", ["evaluate"], 1, {"mem_mb": 16000}),
+    ]
+    verdict = slurmfit.check(asks, run)
+    text = "\n".join(verdict.problems)
+    assert len(verdict.problems) == 3, text
+    assert ("group data (synth_dataset, validate_dataset, cache_dataset) asks 8 CPUs per node (threads), but the "
+            "largest node of partition 'debug' has 2 (dsnode1); lower placement.data_threads") in text
+    assert "rule train (run=x) asks 720 min, but partition 'debug' allows at most 60 min (MaxTime)" in text
+    assert "set-resources: train: runtime" in text
+    # No partition given: the cluster's default one.
+    assert "rule evaluate (run=x) asks 16000 MB of memory per node, but the largest node of partition 'debug' " \
+           "has 3900 MB" in text and "set-resources: evaluate: mem_mb" in text
+    assert "nothing was submitted" in verdict.text()
+
+    fits = slurmfit.ask_from_resources("rule train", ["train"], 2, {"gpu": 2, "cpus_per_gpu": 1, "mem_mb": 2000})
+    assert slurmfit.check([fits], run).problems == []
+    too_many_gpus = slurmfit.ask_from_resources("rule train", ["train"], 8, {"gpu": 8, "cpus_per_gpu": 0})
+    assert "asks 8 GPUs per node, but the largest node of partition 'debug' has 4" in \
+        slurmfit.check([too_many_gpus], run).problems[0]
+    nodes = slurmfit.ask_from_resources("rule train_multinode", ["train_multinode"], 1,
+                                        {"gpu": 6, "nodes": 3, "tasks": 3, "cpus_per_gpu": 1})
+    assert "asks 3 nodes" in slurmfit.check([nodes], run).problems[0]
+
+
+def test_check_unknown_and_down_partition() -> None:
+    down = (SMALL[0].replace("State=UP", "State=DOWN"), SMALL[1])
+    run = _fake_slurm({"debug": SMALL, "maint": down})
+    ask = slurmfit.ask_from_resources("rule evaluate", ["evaluate"], 1, {"slurm_partition": "gpu-big"})
+    with pytest.raises(slurmfit.SlurmFitError, match="partition 'gpu-big' does not exist .*partitions: debug maint"):
+        slurmfit.check([ask], run)
+    verdict = slurmfit.check([slurmfit.ask_from_resources("rule evaluate", ["evaluate"], 1,
+                                                          {"slurm_partition": "maint"})], run)
+    assert verdict.problems == [] and "partition 'maint' is DOWN" in verdict.warnings[0]
+
+
+def test_pending_watch_cancels_jobs_that_can_never_start(tmp_path: Path) -> None:
+    queue = (f"11|PartitionConfig|rule_validate_dataset|{tmp_path}\n"
+             f"12|Resources|rule_train_wildcards_run=a|{tmp_path}\n"
+             f"13|PartitionConfig|rule_train|/elsewhere\n"
+             f"14|ReqNodeNotAvail, UnavailableNodes:n[1-2]|rule_train_wildcards_run=b|{tmp_path}\n")
+    calls: list[list[str]] = []
+    messages: list[str] = []
+    watch = slurmfit.PendingWatch(str(tmp_path), run=_fake_slurm({}, queue=queue, calls=calls),
+                                  emit=messages.append)
+    assert watch.poll() == []  # seen once: may be passing
+    assert watch.poll() == ["11", "14"]
+    assert ["scancel", "11"] in calls and ["scancel", "14"] in calls and ["scancel", "12"] not in calls
+    assert "Slurm job 11 (validate_dataset) can never start: pending with Reason=PartitionConfig" in messages[0]
+    assert "Slurm job 14 (train (run=b)) can never start" in messages[1]
+    assert "nodes it needs are down" in messages[1]
+    assert watch.poll() == []  # cancelled once only
+
+
+def _check(profile: Path, config_file: Path, work: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return _run([sys.executable, "-m", "detscale", "slurm", "check", "--profile", str(profile), "--configfile",
+                 str(config_file), "--snakefile", str(ROOT / "Snakefile"), "--directory", str(work)], 300, env=env)
+
+
+def _squeue_ids() -> set[str]:
+    return set(_run(["squeue", "-h", "-o", "%i"], 30).stdout.split())
+
+
+@pytest.mark.slurm
+def test_over_ask_is_refused_before_any_sbatch(cluster: None, tmp_path: Path) -> None:
+    """A data job asking more CPUs than the nodes have: refused at start, nothing submitted, the fix named."""
+    import yaml
+
+    greedy = {**TINY, "placement": {"data_threads": 64}}
+    cmd, env, work = _snakemake_command(tmp_path, greedy)
+    before = _squeue_ids()
+    started = time.monotonic()
+    proc = _run(cmd, 300, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert time.monotonic() - started < 120
+    assert "group data (synth_dataset, validate_dataset, cache_dataset) asks 64 CPUs per node (threads), but the " \
+           "largest node of partition 'debug' has" in out, out[-4000:]
+    assert "lower placement.data_threads in the config, or cap it in the profile: set-threads: {synth_dataset: N, " \
+           "validate_dataset: N, cache_dataset: N}" in out
+    assert "Traceback" not in out, out[-4000:]
+    assert not (work / ".snakemake" / "slurm_logs").exists() and _squeue_ids() <= before
+
+    # The same by hand, and the profile's way out: set-threads caps the three data rules.
+    profile = tmp_path / "profile"
+    check = _check(profile, tmp_path / "tiny.yaml", work, env)
+    assert check.returncode == 2 and "asks 64 CPUs per node" in check.stdout, check.stdout + check.stderr
+    capped = yaml.safe_load((profile / "config.yaml").read_text())
+    capped["set-threads"] = {"synth_dataset": 1, "validate_dataset": 1, "cache_dataset": 1}
+    (tmp_path / "capped").mkdir()
+    (tmp_path / "capped" / "config.yaml").write_text(yaml.safe_dump(capped))
+    check = _check(tmp_path / "capped", tmp_path / "tiny.yaml", work, env)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "every job fits its partition" in check.stdout
+    assert _squeue_ids() <= before and not (work / "results" / "data").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_job_that_can_never_start_fails_within_a_minute(cluster: None, tmp_path: Path) -> None:
+    """A partition set DOWN: its jobs pend forever (Reason=PartitionDown); the workflow fails within a minute."""
+    import yaml
+
+    cmd, env, work = _snakemake_command(tmp_path, TINY)
+    profile = tmp_path / "profile" / "config.yaml"
+    data = yaml.safe_load(profile.read_text())
+    data["default-resources"]["slurm_partition"] = "maint"  # State=DOWN in tests/slurm/cluster.sh
+    profile.write_text(yaml.safe_dump(data, sort_keys=False))
+    env = {**env, "DETSCALE_SLURM_WATCH_S": "5"}
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines, cancelled_at, failed_at = [], None, None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if cancelled_at is None and "can never start" in line:
+                cancelled_at = time.monotonic() - started
+            if "Error in group data" in line:
+                # Snakemake has failed the job (nothing else can run: the rest depends on it). It exits after
+                # joining its status thread, which sleeps until the next poll (about 30 s more here): only
+                # the suite's time, so the test stops it (the Slurm job is already cancelled).
+                failed_at = time.monotonic() - started
+                proc.kill()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines)
+    assert "partition 'maint' is DOWN" in out, out[-4000:]
+    assert "can never start: pending with Reason=PartitionDown: the partition is DOWN" in out, out[-4000:]
+    # cancelled within a minute of the start (two polls 5 s apart), and Snakemake fails the job at its next poll
+    assert cancelled_at is not None and cancelled_at < 60, f"{cancelled_at} s:\n{out[-4000:]}"
+    assert failed_at is not None and failed_at < 90, f"{failed_at} s:\n{out[-4000:]}"
+    pending = [j for j in _run(["squeue", "-h", "-p", "maint", "-o", "%i"], 30).stdout.split()]
+    assert pending == [], pending

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "evaluate": "COCO mAP of a trained run",
     "report": "scaling tables, plots and index.html from finished runs",
     "runs": "list the run ids of a config's grid",
+    "slurm": "Slurm: `detscale slurm check` compares every job's ask with its partition, submitting nothing",
 }
 
 

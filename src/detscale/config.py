@@ -228,6 +228,8 @@ class EvalConfig:
 @dataclass(frozen=True)
 class PlacementConfig:
     allow_overlap: bool = False
+    data_threads: int = 4
+    eval_threads: int = 1
 
 
 #: Built-in fabrics of the scaling projection: all-reduce latency and bus bandwidth (nccl-tests'

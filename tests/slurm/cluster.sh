@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A small Slurm cluster on this one machine, each node with 4 fake GPUs, for tests: start | stop | status.
+# A small Slurm cluster on this one machine, each node with the machine's CPUs and memory and 4 fake
+# GPUs, for tests: start | stop | status.
 # Debian's slurmd is built with multiple-slurmd support, so several nodes (one slurmd each, on
 # its own port) run on one host; that makes multi-node jobs (srun across nodes) testable here.
 #
@@ -57,12 +58,18 @@ install_packages() {
 }
 
 write_config() {
-    local cpus mem_mb host
+    local cpus mem_mb host hw nproc_cpus
     host=$(hostname -s)
-    # At least 4 CPUs, whatever the host has: jobs only need to be scheduled, not to be fast, and
-    # config_overrides makes slurmd trust slurm.conf instead of the hardware it finds.
-    cpus=$(nproc); ((cpus < 4)) && cpus=4
-    mem_mb=$(awk -v n="$NODES" '/MemTotal/ {print int($2 / 1024 / 2 / n)}' /proc/meminfo)
+    # Every node declares the machine's real CPUs and memory, as slurmd detects them (`slurmd -C`),
+    # so that a job asking more than such a node has pends with Reason=PartitionConfig here as it
+    # would on a site (and the workflow's check refuses it first). The CPUs are capped at what
+    # this process may use (`nproc`: a container's share of a larger host).
+    hw=$(slurmd -C 2>/dev/null | head -n 1 || true)
+    cpus=$(sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' <<<"$hw")
+    nproc_cpus=$(nproc)
+    [[ -n $cpus ]] && ((cpus <= nproc_cpus)) || cpus=$nproc_cpus
+    mem_mb=$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$hw")
+    [[ -n $mem_mb ]] || mem_mb=$(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo)
     if [[ -e $CONF ]] && ! grep -qF "$MARKER" "$CONF" && [[ ${DETSCALE_SLURM_FORCE:-0} != 1 ]]; then
         die "$CONF exists and was not written by this script; set DETSCALE_SLURM_FORCE=1 to overwrite it"
     fi
@@ -105,6 +112,8 @@ EOF
             "RealMemory=$mem_mb Gres=gpu:4 State=UNKNOWN" >>"$CONF"
     done
     echo "PartitionName=debug Nodes=dsnode[1-$NODES] Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
+    # A partition an administrator has set DOWN: jobs are accepted and pend (Reason=PartitionDown).
+    echo "PartitionName=maint Nodes=dsnode[1-$NODES] MaxTime=INFINITE State=DOWN" >>"$CONF"
     printf '%s\nNodeName=dsnode[1-%d] Name=gpu File=%s/dev/nvidia[0-3]\n' "$MARKER" "$NODES" "$STATE" >"$GRES_CONF"
 }
 

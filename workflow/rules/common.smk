@@ -46,6 +46,22 @@ wildcard_constraints:
 # measured run for its CPUs or cards. GPUs themselves are the `gpu` resource (`--resources
 # gpu=4`); `detscale launch` gives concurrent runs disjoint cards with file locks.
 TIMED_RUN = 0 if CFG.placement.allow_overlap else 1
+# CPU threads of the data and evaluation jobs: capped at --cores locally, the CPU ask of each
+# job on a cluster (so they come from the config, never a fixed number a partition may lack).
+DATA_THREADS = CFG.placement.data_threads
+
+
+# On Slurm (profiles/slurm): before the first sbatch, every job's ask is compared with its
+# partition's nodes, and a job pending with a reason that means it can never start is cancelled
+# with that reason; neither waits silently. Nothing happens with other executors.
+onstart:
+    from snakemake.exceptions import WorkflowError
+    from detscale import slurmfit as dsslurmfit
+
+    try:
+        dsslurmfit.on_start(workflow)
+    except dsslurmfit.SlurmFitError as exc:
+        raise WorkflowError(str(exc)) from None
 if "timed_run" not in workflow.global_resources:
     workflow.global_resources["timed_run"] = 1
 

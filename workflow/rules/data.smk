@@ -22,7 +22,7 @@ if CFG.dataset.synthetic is not None:
             f"results/logs/{DATASET}/synth.log",
         benchmark:
             f"results/benchmarks/{DATASET}/synth.tsv"
-        threads: 8  # capped at --cores locally; a fixed ask on a cluster
+        threads: DATA_THREADS
         shell:
             "detscale synth --out {params.out} --seed {params.seed} --imgsz {params.imgsz}"
             " --train {params.train} --val {params.val} --objects {params.objects}"
@@ -51,7 +51,7 @@ rule validate_dataset:
         report=f"results/logs/{DATASET}/validation-failed.md",
     benchmark:
         f"results/benchmarks/{DATASET}/validate.tsv"
-    threads: 8  # capped at --cores locally; a fixed ask on a cluster
+    threads: DATA_THREADS
     shell:
         "detscale validate {input.data_yaml} --out {params.out} --on-error {params.on_error}"
         " --workers {threads} --failed-report {log.report} > {log.main} 2>&1"
@@ -76,7 +76,7 @@ rule cache_dataset:
         f"results/logs/{DATASET}/cache-{{split}}-{{imgsz}}.log",
     benchmark:
         f"results/benchmarks/{DATASET}/cache-{{split}}-{{imgsz}}.tsv"
-    threads: 8  # capped at --cores locally; a fixed ask on a cluster
+    threads: DATA_THREADS
     resources:
         # A cache for one image size may be built while a run of another size trains: take the
         # timed-run slot so that it never steals CPU from a measured run.

@@ -29,7 +29,7 @@ rule evaluate:
         "results/logs/runs/{run}/evaluate.log",
     benchmark:
         "results/benchmarks/runs/{run}/evaluate.tsv"
-    threads: 1
+    threads: CFG.placement.eval_threads
     resources:
         gpu=1,
         timed_run=TIMED_RUN,

@@ -27,9 +27,10 @@ def run_config(cfg: config.ExperimentConfig, run_id: str, stage: str = "train") 
     """The config of one run: the grid narrowed to its point; ``stage`` picks the sections that matter.
 
     ``train``: everything that changes what or how the run trains. The evaluation settings are
-    kept only when the run validates during training (``train.val_interval > 0``) and the
-    placement never is, so changing them does not re-train. ``evaluate``: everything. The
-    report's own settings (``eval.tta_fraction``, ``projection``) are in neither.
+    kept only when the run validates during training (``train.val_interval > 0``), so changing
+    them does not re-train. ``evaluate``: everything else. Neither holds the report's own
+    settings (``eval.tta_fraction``, ``projection``) nor the placement (where and on how many
+    CPUs jobs run).
     ``repeats`` is the run's repeat index + 1, so the point stays in the narrowed grid and adding
     repeats leaves the earlier repeats' configs unchanged.
     """
@@ -43,10 +44,9 @@ def run_config(cfg: config.ExperimentConfig, run_id: str, stage: str = "train") 
     )
     data["eval"].pop("tta_fraction")  # read by the report only
     data.pop("projection")  # read by the report only
-    if stage == "train":
-        data.pop("placement")
-        if cfg.train.val_interval == 0:
-            data.pop("eval")
+    data.pop("placement")  # where and on how many CPUs jobs run, never what they compute
+    if stage == "train" and cfg.train.val_interval == 0:
+        data.pop("eval")
     narrowed = config.from_dict(data, source=f"run config of {run_id}")
     assert narrowed.run(run_id) == point, "narrowing the grid must keep the run's point"
     return data
