@@ -474,7 +474,7 @@ def _fake_slurm(partitions: dict[str, tuple[str, str]], default: str = "debug",
 
 
 SMALL = ("PartitionName=debug AllowGroups=ALL MaxNodes=UNLIMITED MaxTime=01:00:00 State=UP TotalNodes=2\n",
-         "dsnode1|2|3900|gpu:4|idle\ndsnode2|2|3900|gpu:4|idle\n")
+         "dsnode1|2|3900|gpu:4\ndsnode2|2|3900|gpu:4\n")
 
 
 def test_ask_from_resources_as_the_plugin_submits() -> None:

@@ -60,19 +60,27 @@ def time_allreduce(buffers: list[torch.Tensor], device: torch.device, iters: int
     return [max(ts) for ts in zip(*dist.all_gather_object(times), strict=True)]
 
 
+def _model_and_batch(model_name: str, nc: int, imgsz: int, channels_last: bool, device: torch.device,
+                     batch: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The run's model in its memory format, a random batch and one box per image (seeded)."""
+    from detscale.model import build_model
+
+    torch.manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = build_model(model_name, nc).to(device).to(memory_format=fmt).train()
+    x = torch.rand(batch, 3, imgsz, imgsz, device=device).contiguous(memory_format=fmt)
+    targets = torch.tensor([[i, i % nc, 0.5, 0.5, 0.4, 0.4] for i in range(batch)], device=device,
+                           dtype=torch.float32)
+    return model, x, targets
+
+
 def ddp_bucket_bytes(model_name: str, nc: int, imgsz: int, channels_last: bool, device: torch.device) -> list[int]:
     """The sizes of the gradient buckets DDP settles on for the model, after one training batch."""
     from detscale.engine.trainer import wrap_ddp
     from detscale.loss import DetectionLoss
-    from detscale.model import build_model
 
-    torch.manual_seed(0)
-    model = build_model(model_name, nc).to(device)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    model = model.to(memory_format=fmt)
+    model, x, targets = _model_and_batch(model_name, nc, imgsz, channels_last, device, 2)
     ddp = wrap_ddp(model, device)
-    x = torch.rand(2, 3, imgsz, imgsz, device=device).contiguous(memory_format=fmt)
-    targets = torch.tensor([[0, 0, 0.5, 0.5, 0.4, 0.4], [1, 0, 0.3, 0.6, 0.2, 0.3]], device=device)
     loss, _ = DetectionLoss(model)(ddp(x), targets)
     loss.backward()
     sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
@@ -86,14 +94,9 @@ def contention_probe(model_name: str, nc: int, imgsz: int, channels_last: bool, 
                      steps: int = 6, warmup: int = 2) -> dict[str, float]:
     """Median forward+backward seconds of a batch on rank 0 alone and on all ranks at once, and their ratio."""
     from detscale.loss import DetectionLoss
-    from detscale.model import build_model
 
-    torch.manual_seed(0)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    model = build_model(model_name, nc).to(device).to(memory_format=fmt).train()
+    model, x, targets = _model_and_batch(model_name, nc, imgsz, channels_last, device, batch)
     criterion = DetectionLoss(model)
-    x = torch.rand(batch, 3, imgsz, imgsz, device=device).contiguous(memory_format=fmt)
-    targets = torch.tensor([[i, i % nc, 0.5, 0.5, 0.4, 0.4] for i in range(batch)], device=device, dtype=torch.float32)
 
     def timed() -> list[float]:
         times = []

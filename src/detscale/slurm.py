@@ -125,6 +125,11 @@ def expand_hostlist(expr: str) -> list[str]:
     return hosts
 
 
+def parse_oneliner(text: str) -> dict[str, str]:
+    """``scontrol show ... --oneliner`` output as key -> value."""
+    return dict(item.split("=", 1) for item in text.split() if "=" in item)
+
+
 def _scontrol_job(jid: str) -> dict[str, str]:
     """``scontrol show job`` of ``jid`` as key -> value (for environments that dropped ``SLURM_*``)."""
     if shutil.which("scontrol") is None:
@@ -133,7 +138,7 @@ def _scontrol_job(jid: str) -> dict[str, str]:
             "run `detscale launch --nodes M` inside the Slurm job (sbatch/salloc)"
         )
     proc = subprocess.run(["scontrol", "show", "job", "--oneliner", jid], capture_output=True, text=True, timeout=60)
-    record = dict(item.split("=", 1) for item in proc.stdout.split() if "=" in item)
+    record = parse_oneliner(proc.stdout)
     if proc.returncode != 0 or record.get("NodeList", "(null)") == "(null)":
         raise SlurmError(
             f"cannot find the nodes of Slurm job {jid} with `scontrol show job`: "

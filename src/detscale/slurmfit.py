@@ -24,11 +24,12 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from detscale.errors import UserError
+from detscale.slurm import SlurmError, parse_oneliner
 
 #: Environment variable of ``detscale slurm check``: the workflow checks, writes the verdict to
 #: this file and stops before submitting anything.
@@ -52,7 +53,7 @@ NEVER_STARTS: dict[str, str] = {
 }
 
 
-class SlurmFitError(UserError):
+class SlurmFitError(SlurmError):
     """A job of the workflow cannot fit the partition it is submitted to."""
 
 
@@ -130,7 +131,6 @@ class Node:
     cpus: int
     mem_mb: int
     gpus: int
-    state: str
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,6 @@ class Partition:
     max_time_min: int | None = None
     max_cpus_per_node: int | None = None
     max_mem_per_node: int | None = None
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 def _gres_gpus(gres: str) -> int:
@@ -207,19 +206,16 @@ def read_partition(name: str, run: Runner = _run) -> Partition:
         known = " ".join(p.rstrip("*") for p in run(["sinfo", "-h", "-o", "%P"]).split())
         raise SlurmFitError(f"partition '{name}' does not exist ({exc}); partitions: {known}. "
                             "Set slurm_partition in the profile's default-resources") from None
-    fields = dict(item.split("=", 1) for item in text.split() if "=" in item)
-    nodes = []
-    seen = set()
-    for line in run(["sinfo", "-h", "-N", "-p", name, "-o", "%N|%c|%m|%G|%T"]).splitlines():
+    fields = parse_oneliner(text)
+    nodes: dict[str, Node] = {}  # sinfo -N lists a node once per partition it is in
+    for line in run(["sinfo", "-h", "-N", "-p", name, "-o", "%N|%c|%m|%G"]).splitlines():
         parts = line.strip().split("|")
-        if len(parts) != 5 or parts[0] in seen:
-            continue
-        seen.add(parts[0])
-        nodes.append(Node(parts[0], _int(parts[1].rstrip("+")), _int(parts[2].rstrip("+")), _gres_gpus(parts[3]),
-                          parts[4]))
+        if len(parts) == 4:
+            nodes.setdefault(parts[0], Node(parts[0], _int(parts[1].rstrip("+")), _int(parts[2].rstrip("+")),
+                                            _gres_gpus(parts[3])))
     return Partition(
-        name=name, nodes=tuple(nodes), state=fields.get("State", "UP"), max_nodes=_limit(fields.get("MaxNodes")),
-        max_time_min=slurm_minutes(fields.get("MaxTime", "UNLIMITED")),
+        name=name, nodes=tuple(nodes.values()), state=fields.get("State", "UP"),
+        max_nodes=_limit(fields.get("MaxNodes")), max_time_min=slurm_minutes(fields.get("MaxTime", "UNLIMITED")),
         max_cpus_per_node=_limit(fields.get("MaxCPUsPerNode")), max_mem_per_node=_limit(fields.get("MaxMemPerNode")),
     )
 
@@ -228,7 +224,7 @@ def read_partition(name: str, run: Runner = _run) -> Partition:
 # The comparison
 # ---------------------------------------------------------------------------------------------
 
-#: Where each rule's asks come from, for the message: (CPUs, memory, GPUs and nodes, runtime).
+#: The rules whose CPU ask is placement.data_threads (the fix a message names for them).
 _DATA_RULES = ("synth_dataset", "validate_dataset", "cache_dataset")
 
 
@@ -321,8 +317,11 @@ def check(asks: Iterable[Ask], run: Runner = _run) -> Verdict:
     parts: dict[str, Partition] = {}
     found: list[str] = []
     warnings: list[str] = []
+    default = None
     for ask in asks:
-        name = ask.partition or default_partition(run)
+        if ask.partition is None and default is None:
+            default = default_partition(run)
+        name = ask.partition or default
         if name not in parts:
             parts[name] = read_partition(name, run)
             state = parts[name].state.upper()
@@ -425,7 +424,6 @@ class PendingWatch(threading.Thread):
         self.interval = interval
         self.run_cmd = run
         self.emit = emit or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.stop = threading.Event()
         self.seen: dict[str, str] = {}
         self.cancelled: list[str] = []
 
@@ -456,6 +454,7 @@ class PendingWatch(threading.Thread):
         self.seen = now
         return done
 
-    def run(self) -> None:
-        while not self.stop.wait(self.interval):
+    def run(self) -> None:  # until the workflow's process ends (a daemon thread)
+        while True:
+            time.sleep(self.interval)
             self.poll()

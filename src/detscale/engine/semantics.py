@@ -61,12 +61,17 @@ def lr_scale_factor(mode: str, images_per_step: int, nominal: int) -> float:
     raise ConfigError(f"'train.lr_scaling': got {mode!r}; must be one of none, linear, sqrt")
 
 
+def accumulate_steps(nominal_batch: int, global_batch: int) -> int:
+    """Batches accumulated per optimiser step: about ``nominal_batch`` images per step, at least one batch."""
+    return max(round(nominal_batch / global_batch), 1)
+
+
 def derive_semantics(cfg: ExperimentConfig, point: RunPoint, world_size: int, device_type: str) -> TrainSemantics:
     """The run's training semantics on ``world_size`` ranks of ``device_type`` (``cuda`` or ``cpu``)."""
     t = cfg.train
     check_world_size(point, world_size)
     global_batch = point.global_batch
-    accumulate = max(round(t.nominal_batch / global_batch), 1)
+    accumulate = accumulate_steps(t.nominal_batch, global_batch)
     per_step = global_batch * accumulate
     scale = lr_scale_factor(t.lr_scaling, per_step, t.nominal_batch)
     if device_type == "cpu" and point.precision != "fp32":

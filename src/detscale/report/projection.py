@@ -42,6 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from detscale.engine.semantics import accumulate_steps
+
 
 @dataclass(frozen=True)
 class Fabric:
@@ -98,8 +100,9 @@ class Baseline:
     accumulate: int = 1
 
     def accumulate_for(self, gpus: int, batch: int) -> int:
-        """The trainer's accumulation for ``gpus`` GPUs of ``batch`` images: the same images per optimiser step."""
-        return max(round(self.accumulate * self.batch / (gpus * batch)), 1)
+        """The trainer's accumulation for ``gpus`` GPUs of ``batch`` images, for the images of one measured
+        optimiser step (``accumulate x batch``, the nominal batch rounded to whole batches)."""
+        return accumulate_steps(self.accumulate * self.batch, gpus * batch)
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> Baseline | None:
@@ -195,12 +198,8 @@ def contention_by_ranks(comm: Sequence[Mapping[str, Any]]) -> dict[int, float]:
 
 def contention_for(slowdown: Mapping[int, float], ranks: int) -> float:
     """The slowdown of ``ranks`` busy ranks: measured for that count, else the largest count measured below it."""
-    if ranks < 2 or not slowdown:
-        return 1.0
-    if ranks in slowdown:
-        return slowdown[ranks]
     below = [k for k in slowdown if k <= ranks]
-    return slowdown[max(below)] if below else 1.0
+    return slowdown[max(below)] if ranks >= 2 and below else 1.0
 
 
 def _comm_for(comm: Sequence[Mapping[str, Any]], model: str, imgsz: int) -> list[Mapping[str, Any]]:
@@ -258,9 +257,9 @@ def markdown(projections: Sequence[GroupProjection], skipped: Sequence[str]) -> 
                   f"{p.inter.busbw_Bps / 1e9:.1f} GB/s; {p.inter.source}).",
                   "Contention (a rank's own work with all ranks of a node busy, measured by the communication "
                   "benchmark): " + (", ".join(f"x{v:.3f} at {k} ranks" for k, v in sorted(p.contention.items()))
-                                    or "not measured (x1)") + "; beyond the largest measured count the same factor. "
-                  f"The 1-GPU run accumulated {p.accumulate} batch(es) per optimiser step: fewer at more GPUs, "
-                  "so the optimiser's share of a batch grows.", ""]
+                                    or "not measured (x1)") + "; beyond the largest measured count the same factor."
+                  + (f" The 1-GPU run accumulated {p.accumulate} batches per optimiser step: fewer at more GPUs, "
+                     "so the optimiser's share of a batch grows." if p.accumulate > 1 else ""), ""]
         lines += ["| measured GPUs | measured img/s | projected img/s | error |", "|---|---|---|---|"]
         lines += [f"| {g} | {m:.1f} | {q:.1f} | {e:+.1%} |" for g, m, q, e in p.errors]
         gpn = sorted({x.gpus_per_node for x in p.grid})
