@@ -63,10 +63,11 @@ write_config() {
     # Every node declares the machine's real CPUs and memory, as slurmd detects them (`slurmd -C`),
     # so that a job asking more than such a node has pends with Reason=PartitionConfig here as it
     # would on a site (and the workflow's check refuses it first). The CPUs are capped at what
-    # this process may use (`nproc`: a container's share of a larger host).
+    # this process may use (`nproc`: a container's share of a larger host). GNU nproc also obeys
+    # OMP_NUM_THREADS and OMP_THREAD_LIMIT, which a test run sets to 1: they are not the machine's.
     hw=$(slurmd -C 2>/dev/null | head -n 1 || true)
     cpus=$(sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' <<<"$hw")
-    nproc_cpus=$(nproc)
+    nproc_cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     [[ -n $cpus ]] && ((cpus <= nproc_cpus)) || cpus=$nproc_cpus
     mem_mb=$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$hw")
     [[ -n $mem_mb ]] || mem_mb=$(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo)
