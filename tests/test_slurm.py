@@ -321,12 +321,61 @@ def _snakemake_on_cluster(tmp_path: Path, config: dict, *args: str) -> Path:
     return work
 
 
+def _requeue_after_first_epoch(proc: subprocess.Popen[str], run: Path) -> str:
+    """``scontrol requeue`` the Slurm job training ``run`` once its first epoch is written; its job id.
+
+    ``scontrol requeue`` SIGTERMs the running job and queues it again under the same id, as
+    preemption does. Slurm holds a requeued job back for about two minutes once it is pending
+    again; it is let start at once (an update while it is still completing does not stick).
+    """
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, "no epoch finished"
+        time.sleep(0.2)
+    jid = json.loads((run / "env.json").read_text())["slurm_job_id"]
+    assert _run(["scontrol", "requeue", jid], 30).returncode == 0
+    deadline = time.monotonic() + 120
+    while _jobs([jid])[0].get("JobState") != "PENDING":
+        assert time.monotonic() < deadline, f"requeued job {jid} did not become pending"
+        time.sleep(0.5)
+    assert _run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], 30).returncode == 0
+    return jid
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_pipeline_through_slurm_profile(cluster: None, tmp_path: Path) -> None:
-    """The tiny grid (1 and 2 GPUs) end to end with ``--profile profiles/slurm`` on the test cluster."""
+    """The tiny grid (1 and 2 GPUs) end to end with ``--profile profiles/slurm`` on the test cluster.
+
+    On the way the 1-GPU training job is requeued after its first epoch (the profile submits with
+    ``--requeue``, as a preempted job is): the launcher keeps the checkpoint in the resume stash,
+    the second start of the batch script (whose Snakemake deletes the job's outputs first) puts it
+    back, and ``train --resume`` continues. Snakemake, waiting on the job id, sees one job that
+    finished. (One pipeline for both: each costs a minute of Slurm start-up and polling.)
+    """
+    # Epochs enough that the requeue lands while the 1-GPU run still trains.
+    tiny = {**TINY, "grid": {**TINY["grid"], "epochs": 6},
+            "dataset": {**TINY["dataset"], "synthetic": {**TINY["dataset"]["synthetic"], "train": 16}},
+            "train": {**TINY["train"], "cpu_threads_per_rank": 1}}
     # Both trainings (and both evaluations) at once: the test is about placement, not timing.
-    work = _snakemake_on_cluster(tmp_path, TINY, "--resources", "timed_run=2")
+    cmd, env, work = _snakemake_command(tmp_path, tiny, "--resources", "timed_run=2")
+    requeued = work / "results" / "runs" / "gelan-t_64_g1_b2_disk_fp32_s0_r0"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        jid = _requeue_after_first_epoch(proc, requeued)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-6000:]
+
+    # The requeued job ran twice under one id and resumed from its checkpoint.
+    job = _jobs([jid])[0]
+    assert job["Requeue"] == "1" and job["Restarts"] == "1", job
+    log = (work / "results" / "logs" / "runs" / requeued.name / "train.log").read_text()
+    assert "from the resume stash" in log and "resuming from" in log, log[-3000:]
+    assert len((requeued / "metrics.jsonl").read_text().splitlines()) == 6
 
     # Every non-local job went through sbatch: the plugin's Slurm logs, one per job, and its job ids.
     log_dir = work / ".snakemake" / "slurm_logs"
@@ -400,50 +449,6 @@ def test_multinode_point_through_slurm_profile(cluster: None, tmp_path: Path) ->
     assert env_json["threads_per_rank"] == 1 and env_json["cuda_visible_devices"] == "0"
     report = work / "results" / "report"
     assert (report / "index.html").is_file() and (report / "scaling.csv").is_file()
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_requeued_training_resumes(cluster: None, tmp_path: Path) -> None:
-    """The profile submits with ``--requeue``: a training job Slurm requeues (as on preemption) resumes.
-
-    ``scontrol requeue`` SIGTERMs the running job and queues it again under the same id; the
-    launcher keeps the checkpoint in the resume stash, the second start of the batch script
-    (whose Snakemake deletes the job's outputs first) puts it back, and ``train --resume`` continues.
-    Snakemake, waiting on the job id, sees one job that finished.
-    """
-    tiny = {**TINY, "grid": {**TINY["grid"], "gpus": [1], "epochs": 6},
-            "dataset": {**TINY["dataset"], "synthetic": {**TINY["dataset"]["synthetic"], "train": 16}},
-            "train": {**TINY["train"], "cpu_threads_per_rank": 1}}
-    cmd, env, work = _snakemake_command(tmp_path, tiny)
-    run = work / "results" / "runs" / "gelan-t_64_g1_b2_disk_fp32_s0_r0"
-    metrics = run / "metrics.jsonl"
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (metrics.is_file() and metrics.read_text().strip()):
-            assert proc.poll() is None and time.monotonic() < deadline, "no epoch finished"
-            time.sleep(0.2)
-        jid = json.loads((run / "env.json").read_text())["slurm_job_id"]
-        assert _run(["scontrol", "requeue", jid], 30).returncode == 0
-        # Slurm holds a requeued job back for about two minutes once it is pending again; let it
-        # start at once (an update while it is still completing does not stick).
-        deadline = time.monotonic() + 120
-        while _jobs([jid])[0].get("JobState") != "PENDING":
-            assert time.monotonic() < deadline, f"requeued job {jid} did not become pending"
-            time.sleep(0.5)
-        assert _run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], 30).returncode == 0
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-6000:]
-    job = _jobs([jid])[0]
-    assert job["Requeue"] == "1" and job["Restarts"] == "1", job
-    log = (work / "results" / "logs" / "runs" / run.name / "train.log").read_text()
-    assert "from the resume stash" in log and "resuming from" in log, log[-3000:]
-    assert len(metrics.read_text().splitlines()) == 6
-    assert (work / "results" / "report" / "index.html").is_file()
 
 
 # ---------------------------------------------------------------------------------------------
