@@ -1,0 +1,64 @@
+"""The parity benchmark's reading of its runs (benchmarks/bench_parity.py): pairs, not a glance."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_parity.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_parity", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def record(trainer: str, epochs: int, seed: int, map50_95: float) -> dict:
+    return {"trainer": trainer, "epochs": epochs, "seed": seed, "map50": 2 * map50_95, "map50_95": map50_95,
+            "images_per_s": 20.0 if trainer != "ultralytics" else 12.0, "epoch_seconds": 22.4}
+
+
+def test_pooled_ratio_reads_every_budget_and_seed_as_a_pair(bench):
+    ours, ref = [0.141, 0.158, 0.342], [0.184, 0.144, 0.351]
+    pairs = [(record("d", e, s, a), record("ultralytics", e, s, b))
+             for (e, s), a, b in zip([(20, 0), (20, 1), (30, 0)], ours, ref, strict=True)]
+    line = bench.pooled_ratio("d", pairs)
+    logs = [math.log(a / b) for a, b in zip(ours, ref, strict=True)]
+    mean, half = statistics.fmean(logs), 4.302653 * statistics.stdev(logs) / math.sqrt(3)  # t(0.975, 2 df)
+    assert "(3 pairs)" in line
+    assert f"ratio {math.exp(mean):.2f} (geometric mean)" in line
+    assert f"95 % CI {math.exp(mean - half):.2f}..{math.exp(mean + half):.2f}" in line
+    needed = int(re.search(r"takes about (\d+) pairs", line).group(1))
+    sd, gap = statistics.stdev(logs), -math.log(0.95)
+    assert stats.t.ppf(0.975, needed - 1) * sd / math.sqrt(needed) <= gap
+    assert stats.t.ppf(0.975, needed - 2) * sd / math.sqrt(needed - 1) > gap
+
+
+def test_pooled_ratio_with_one_pair_or_identical_pairs(bench):
+    one = [(record("d", 20, 0, 0.1), record("ultralytics", 20, 0, 0.2))]
+    assert "no interval possible" in bench.pooled_ratio("d", one)
+    same = [(record("d", 20, s, 0.19), record("ultralytics", 20, s, 0.2)) for s in range(3)]
+    line = bench.pooled_ratio("d", same)
+    assert "ratio 0.95" in line and "95 % CI 0.95..0.95" in line and "about 2 pairs" in line
+
+
+def test_summary_pairs_runs_of_the_same_budget_and_seed(bench):
+    records = [record("detscale-x", 20, 0, 0.1), record("ultralytics", 20, 0, 0.2),
+               record("detscale-x", 20, 1, 0.3), record("ultralytics", 20, 1, 0.2),
+               record("detscale-x", 30, 0, 0.4)]  # no reference run: not paired
+    args = argparse.Namespace(model="m", ultralytics_model="u", data_seed=0, train=448, val=100, imgsz=256,
+                              batch=16, threads=2, workers=1)
+    text = bench.summarise(records, args)
+    assert "| 20 | detscale-x | 2 | 0.50, 1.50 | 1.00 | 1.67 |" in text
+    assert "| 30 | detscale-x |" not in text
+    assert "(2 pairs)" in text
