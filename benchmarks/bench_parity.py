@@ -316,19 +316,19 @@ def summarise(records: list[dict], args: argparse.Namespace) -> str:
                   "img/s ratio |", "|---|---|---|---|---|---|"]
     variants = sorted({r["trainer"] for r in records if r["trainer"] != "ultralytics"})
     ref = {(r["epochs"], r["seed"]): r for r in records if r["trainer"] == "ultralytics"}
+    pairs_of = {variant: [(r, ref[(r["epochs"], r["seed"])])
+                          for r in sorted(records, key=lambda r: (r["epochs"], r["seed"]))
+                          if r["trainer"] == variant and (r["epochs"], r["seed"]) in ref] for variant in variants}
     for epochs in sorted({r["epochs"] for r in records}):
         for variant in variants:
-            pairs = [(r, ref[(epochs, r["seed"])]) for r in sorted(records, key=lambda r: r["seed"])
-                     if r["trainer"] == variant and r["epochs"] == epochs and (epochs, r["seed"]) in ref]
+            pairs = [(d, u) for d, u in pairs_of[variant] if d["epochs"] == epochs]
             if not pairs:
                 continue
             ratios = [d["map50_95"] / u["map50_95"] if u["map50_95"] else float("nan") for d, u in pairs]
             speed = statistics.mean(d["images_per_s"] / u["images_per_s"] for d, u in pairs)
             lines.append(f"| {epochs} | {variant} | {len(pairs)} | {', '.join(f'{x:.2f}' for x in ratios)} | "
                          f"{statistics.mean(ratios):.2f} | {speed:.2f} |")
-    lines += ["", *(pooled_ratio(variant, [(r, ref[(r["epochs"], r["seed"])]) for r in records
-                                           if r["trainer"] == variant and (r["epochs"], r["seed"]) in ref])
-                    for variant in variants)]
+    lines += ["", *(pooled_ratio(variant, pairs_of[variant]) for variant in variants)]
     return "\n".join(lines) + "\n"
 
 
@@ -336,7 +336,8 @@ def pooled_ratio(variant: str, pairs: list[tuple[dict, dict]], gap: float = 0.05
     """Every (budget, seed) pair read as one paired sample of log(detscale / Ultralytics mAP@0.5:0.95).
 
     The geometric-mean ratio with a paired-t 95 % interval (scipy.stats), and how many pairs a
-    ``gap`` would take to be resolved at the spread measured here. Pooling the budgets assumes
+    ``gap`` would take to be resolved at the spread measured here: the fewest whose interval's
+    half-width in log ratio is at most ``-log(1 - gap)``. Pooling the budgets assumes
     one ratio for all of them; the per-budget rows above show whether that holds.
     """
     from scipy import stats
