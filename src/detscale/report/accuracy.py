@@ -53,7 +53,7 @@ class PairedDelta:
         if self.n < 2:
             return (f"{who}, {self.label}: Δ {self.mean:+.3f} from one seed. No statement about an accuracy cost is "
                     "possible with one seed: the difference cannot be told from seed-to-seed variation; give "
-                    "grid.seeds two or more values (8 seeds of the default grid resolved about ±0.05 here).")
+                    "grid.seeds two or more values (8 seeds of the default grid resolved about ±0.06 here).")
         interval = f"95 % CI {self.low:+.3f}..{self.high:+.3f}, {self.n} seeds, paired t, p = {self.p_value:.2g}"
         if self.low > 0:
             return f"{who}, {self.label}: gains {self.mean:.3f} ({interval})."
