@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import detscale
@@ -49,6 +50,18 @@ def _physical_cores() -> int | None:
         return None
 
 
+def _library_versions() -> dict[str, str | None]:
+    """Versions of the libraries whose numerics a run depends on besides torch: training is
+    deterministic on one machine, and these tell a reader why two machines still differ."""
+    versions: dict[str, str | None] = {"numpy": np.__version__}
+    for key, module in (("torchvision", "torchvision"), ("opencv", "cv2")):
+        try:
+            versions[key] = __import__(module).__version__
+        except ImportError:
+            versions[key] = None
+    return versions
+
+
 def environment(config_hash: str, threads_per_rank: int | None) -> dict[str, Any]:
     """Host, CPU, GPU, driver and library versions, detscale version and commit, config hash."""
     cuda = torch.cuda.is_available()
@@ -79,6 +92,7 @@ def environment(config_hash: str, threads_per_rank: int | None) -> dict[str, Any
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "nccl": nccl,
         "python": platform.python_version(),
+        **_library_versions(),
         "detscale": detscale.__version__,
         **_git_commit(),
         "config_hash": config_hash,
