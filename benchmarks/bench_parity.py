@@ -12,6 +12,12 @@ yaml, no weights, no plots, so no font download).
 
     .venv/bin/python benchmarks/bench_parity.py --epochs 10 20 30 --seeds 0 1 [--work DIR]
 
+By default (``--init same``) both trainers of a pair start from the same weights: detscale's
+initial weights of the seed, loaded into Ultralytics' model by position (the architectures are
+equal layer for layer). A pair then differs in the trainer only (loss, assigner, augmentation,
+schedule, EMA), not in the draw of its initial weights, which from seed to seed moves the mAP
+of these short runs as much as a trainer could; ``--init own`` lets each trainer draw its own.
+
 Each (trainer, epochs, seed) is a separate run from scratch, so every budget has its own
 learning-rate schedule; runs already finished in ``--work`` are reused (delete the folder to
 start over). ``--data-seed`` draws another synthetic dataset ("data the project has not seen").
@@ -29,6 +35,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 #: The recipe, key by key: (what it is, Ultralytics argument and value, detscale config key and value).
 #: Ultralytics' ``optimizer=auto`` picks AdamW for runs under 10,000 iterations with
@@ -123,6 +133,21 @@ torch.set_num_threads({threads})
 from ultralytics import YOLO
 model = YOLO("{arch}")
 epoch_times, marks = [], {{}}
+INIT = {init!r}  # detscale's initial weights (None: Ultralytics' own)
+sys.path.insert(0, {bench_dir!r})
+from bench_parity import load_by_position
+
+
+def same_init(trainer):
+    # after _setup_train: the optimiser holds the model's tensors (loaded in place), the EMA a copy of its own
+    if INIT is not None:
+        values = torch.load(INIT)
+        for target in (trainer.model, trainer.ema.ema):
+            load_by_position(target, values)
+        print(f"same_init: {{len(values)}} tensors of {{INIT}} loaded into the model and its EMA", flush=True)
+
+
+model.add_callback("on_pretrain_routine_end", same_init)
 model.add_callback("on_train_epoch_start", lambda trainer: marks.update(t=time.perf_counter()))
 model.add_callback("on_train_epoch_end", lambda trainer: epoch_times.append(time.perf_counter() - marks["t"]))
 t0 = time.perf_counter()
@@ -170,6 +195,11 @@ def ground_truth(data_yaml: Path, work: Path) -> Path:
     gt = data_yaml.parent / "coco_val.json"
     ensure_coco_gt(load_spec(data_yaml, splits=("val",)), "val", gt)
     return gt
+
+
+def runs_dir(work: Path, args: argparse.Namespace) -> Path:
+    """The runs of one dataset and initialisation mode (only runs of the same mode pair up)."""
+    return work / (f"d{args.data_seed}" + ("-same-init" if args.init == "same" else ""))
 
 
 def variant_name(args: argparse.Namespace) -> str:
@@ -235,13 +265,45 @@ def train_detscale(data_yaml: Path, gt: Path, epochs: int, seed: int, work: Path
     timing = json.loads((out / "timing.json").read_text())
     ev = json.loads((out / "eval.json").read_text())
     epoch_s = steady_epoch_seconds(timing["epoch_seconds"])
-    record = {"trainer": variant_name(args), "model": args.model, "set": args.set,
+    record = {"trainer": variant_name(args), "model": args.model, "set": args.set, "init": args.init,
               "epochs": epochs, "seed": seed,
               "images_per_s": images_per_epoch(args, "detscale") / epoch_s, "epoch_seconds": epoch_s,
               "images_per_epoch": images_per_epoch(args, "detscale"), "steady_images_per_s": timing["images_per_s"],
               "train_wall_s": train_s, "map50": ev["map50"], "map50_95": ev["map50_95"]}
     result.write_text(json.dumps(record, indent=2))
     return record
+
+
+def initial_weights(args: argparse.Namespace, nc: int, seed: int, work: Path) -> Path:
+    """detscale's initial weights for ``seed`` (as its trainer builds them), for Ultralytics to start from.
+
+    Saved as a list of tensors in state_dict order, without the DFL projection (a constant both
+    models hold under different names); the architectures are equal layer for layer
+    (tests/test_oracles.py), so the list loads into ``yolov9t.yaml`` by position.
+    """
+    import torch
+
+    from detscale.engine.trainer import seed_everything
+    from detscale.model import build_model
+
+    path = work / "init" / f"{args.model}_nc{nc}_s{seed}.pt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        seed_everything(seed)  # what build_parts does before build_model
+        state = build_model(args.model, nc).state_dict()
+        torch.save([v for k, v in state.items() if ".dfl." not in k], path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    return path
+
+
+def load_by_position(model: torch.nn.Module, values: list[torch.Tensor]) -> None:
+    """Load tensors saved by :func:`initial_weights` into a model of the same architecture, by position
+    (the two trainers name their layers differently), in place: an optimiser built on the model
+    keeps training the loaded tensors."""
+    state = {k: v for k, v in model.state_dict().items() if ".dfl." not in k}
+    if [tuple(v.shape) for v in state.values()] != [tuple(v.shape) for v in values]:
+        raise SystemExit(f"{len(values)} initial tensors do not fit {type(model).__name__}: shapes differ")
+    model.load_state_dict(dict(zip(state, values, strict=True)), strict=False)
 
 
 def ultralytics_predictions_to_coco(pred_json: Path, gt: Path, out: Path) -> Path:
@@ -283,7 +345,9 @@ def train_ultralytics(data_yaml: Path, gt: Path, epochs: int, seed: int, work: P
     data_yaml = absolute_data_yaml(data_yaml)
     script = run_dir / "run.py"
     info = run_dir / "info.json"
-    script.write_text(ULTRALYTICS_RUN.format(arch=args.ultralytics_model, data_yaml=data_yaml, epochs=epochs,
+    init = str(initial_weights(args, nc, seed, work)) if args.init == "same" else None
+    script.write_text(ULTRALYTICS_RUN.format(arch=args.ultralytics_model, data_yaml=data_yaml, epochs=epochs, init=init,
+                                             bench_dir=str(Path(__file__).resolve().parent),
                                              imgsz=args.imgsz, batch=args.batch, workers=args.workers, seed=seed,
                                              close_mosaic=args.close_mosaic, project=run_dir, out=info,
                                              threads=args.threads))
@@ -295,6 +359,7 @@ def train_ultralytics(data_yaml: Path, gt: Path, epochs: int, seed: int, work: P
     ev = evaluate_files(gt, preds)
     epoch_s = steady_epoch_seconds(meta["epoch_times"])
     record = {"trainer": "ultralytics", "model": args.ultralytics_model, "epochs": epochs, "seed": seed,
+              "init": args.init,
               "images_per_s": images_per_epoch(args, "ultralytics") / epoch_s, "epoch_seconds": epoch_s,
               "images_per_epoch": images_per_epoch(args, "ultralytics"),
               "train_wall_s": meta["train_seconds"], "map50": ev["map50"], "map50_95": ev["map50_95"],
@@ -306,7 +371,9 @@ def train_ultralytics(data_yaml: Path, gt: Path, epochs: int, seed: int, work: P
 def summarise(records: list[dict], args: argparse.Namespace) -> str:
     lines = [f"detscale {args.model} vs Ultralytics {args.ultralytics_model}: synthetic data (seed {args.data_seed}), "
              f"{args.train} train / {args.val} val images at {args.imgsz} px, batch {args.batch}, "
-             f"{args.threads} CPU thread(s), {args.workers} loader worker(s); img/s = images per epoch / median "
+             f"{args.threads} CPU thread(s), {args.workers} loader worker(s), "
+             + ("the same initial weights for both (detscale's of the seed)" if args.init == "same"
+                else "each trainer's own initial weights") + "; img/s = images per epoch / median "
              "training time of epochs 2+ (validation excluded), the same for both", "",
              "| epochs | seed | trainer | img/s | epoch s | mAP@0.5 | mAP@0.5:0.95 |", "|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (r["epochs"], r["seed"], r["trainer"])):
@@ -378,6 +445,10 @@ def main() -> int:
     p.add_argument("--ultralytics-model", default="yolov9t.yaml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a detscale config key (repeatable; for ablations, with --tag)")
+    p.add_argument("--init", choices=["same", "own"], default="same",
+                   help="same (default): Ultralytics starts from detscale's initial weights of the seed (the "
+                        "architectures are equal layer for layer), so a pair differs in the trainer only; own: each "
+                        "trainer initialises its model itself")
     p.add_argument("--tag", default="", help="name of an ablation: its runs go to WORK/d*/detscale-MODEL-TAG")
     p.add_argument("--recipe", action="store_true", help="print the recipe mapping and exit")
     args = p.parse_args()
@@ -399,13 +470,13 @@ def main() -> int:
         for seed in args.seeds:
             for name in args.trainers:
                 t0 = time.perf_counter()
-                record = trainers[name](data_yaml, gt, epochs, seed, work / f"d{args.data_seed}", args, nc)
+                record = trainers[name](data_yaml, gt, epochs, seed, runs_dir(work, args), args, nc)
                 records.append(record)
                 print(f"{name} {epochs} epochs seed {seed}: mAP@0.5 {record['map50']:.3f} mAP@0.5:0.95 "
                       f"{record['map50_95']:.3f}, {record['images_per_s']:.1f} img/s "
                       f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     # every finished run of this dataset, earlier invocations (other variants) included
-    records = [json.loads(f.read_text()) for f in sorted((work / f"d{args.data_seed}").glob("*/e*_s*/parity.json"))]
+    records = [json.loads(f.read_text()) for f in sorted(runs_dir(work, args).glob("*/e*_s*/parity.json"))]
     for r in records:  # img/s from what each epoch trains (records of older versions lack the count)
         kind = "ultralytics" if r["trainer"] == "ultralytics" else "detscale"
         r.setdefault("images_per_epoch", images_per_epoch(args, kind))

@@ -57,8 +57,35 @@ def test_summary_pairs_runs_of_the_same_budget_and_seed(bench):
                record("detscale-x", 20, 1, 0.3), record("ultralytics", 20, 1, 0.2),
                record("detscale-x", 30, 0, 0.4)]  # no reference run: not paired
     args = argparse.Namespace(model="m", ultralytics_model="u", data_seed=0, train=448, val=100, imgsz=256,
-                              batch=16, threads=2, workers=1)
+                              batch=16, threads=2, workers=1, init="same")
     text = bench.summarise(records, args)
+    assert "the same initial weights for both" in text
     assert "| 20 | detscale-x | 2 | 0.50, 1.50 | 1.00 | 1.67 |" in text
     assert "| 30 | detscale-x |" not in text
     assert "(2 pairs)" in text
+
+
+def test_initial_weights_start_the_reference_model_where_detscale_starts(bench, tmp_path):
+    """--init same: Ultralytics' yolov9t.yaml, loaded with detscale's initial weights of a seed by
+    position, computes what detscale's model of that seed computes, and its parameters stay the
+    tensors an optimiser already holds (loaded in place)."""
+    import torch
+    from ultralytics.nn.tasks import DetectionModel
+
+    from detscale.engine.trainer import seed_everything
+    from detscale.model import build_model
+
+    args = argparse.Namespace(model="gelan-t-detect")
+    path = bench.initial_weights(args, 6, 3, tmp_path)
+    assert bench.initial_weights(args, 6, 3, tmp_path) == path  # reused
+    seed_everything(3)
+    ours = build_model("gelan-t-detect", 6).eval()
+    ref = DetectionModel("yolov9t.yaml", nc=6, verbose=False)
+    params = [id(q) for q in ref.parameters()]
+    bench.load_by_position(ref, torch.load(path))
+    assert [id(q) for q in ref.parameters()] == params
+    x = torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.allclose(ours(x)[:, 4:], ref.eval()(x)[0][:, 4:], atol=1e-6)
+    with pytest.raises(SystemExit, match="shapes differ"):
+        bench.load_by_position(DetectionModel("yolov9s.yaml", nc=6, verbose=False), torch.load(path))
