@@ -400,26 +400,34 @@ def summarise(records: list[dict], args: argparse.Namespace) -> str:
 
 
 def pooled_ratio(variant: str, pairs: list[tuple[dict, dict]], gap: float = 0.05) -> str:
-    """Every (budget, seed) pair read as one paired sample of log(detscale / Ultralytics mAP@0.5:0.95).
+    """log(detscale / Ultralytics mAP@0.5:0.95) per seed, read as paired samples.
 
-    The geometric-mean ratio with a paired-t 95 % interval (scipy.stats), and how many pairs a
-    ``gap`` would take to be resolved at the spread measured here: the fewest whose interval's
-    half-width in log ratio is at most ``-log(1 - gap)``. Pooling the budgets assumes
-    one ratio for all of them; the per-budget rows above show whether that holds.
+    A seed's runs at several budgets share their initial weights and the start of their data
+    order, so they are not independent: a seed's sample is the mean of its budgets' log ratios,
+    and the interval is a t interval over seeds (scipy.stats). Reported: the geometric-mean
+    ratio with its 95 % interval, and how many seeds a ``gap`` would take to be resolved at the
+    spread measured here (the fewest whose half-width in log ratio is at most ``-log(1 - gap)``).
+    Pooling the budgets assumes one ratio for all of them; the per-budget rows show whether that holds.
     """
     from scipy import stats
 
-    logs = [math.log(d["map50_95"] / u["map50_95"]) for d, u in pairs if d["map50_95"] > 0 and u["map50_95"] > 0]
+    by_seed: dict[int, list[float]] = {}
+    for d, u in pairs:
+        if d["map50_95"] > 0 and u["map50_95"] > 0:
+            by_seed.setdefault(d["seed"], []).append(math.log(d["map50_95"] / u["map50_95"]))
+    logs = [statistics.fmean(v) for v in by_seed.values()]
+    n_pairs = sum(len(v) for v in by_seed.values())
     if len(logs) < 2:
-        return f"- {variant}: {len(logs)} pair(s), no interval possible."
+        return f"- {variant}: {n_pairs} pair(s) of {len(logs)} seed(s), no interval possible."
     mean, sd = statistics.fmean(logs), statistics.stdev(logs)
     low, high = stats.t.interval(0.95, len(logs) - 1, loc=mean, scale=sd / math.sqrt(len(logs))) if sd else (mean, mean)
     needed = next((n for n in range(2, 10_000) if stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n) <= -math.log1p(-gap)),
                   None)
-    return (f"- {variant}, all budgets and seeds pooled ({len(logs)} pairs): mAP@0.5:0.95 ratio "
+    return (f"- {variant}, all budgets pooled ({n_pairs} pairs, {len(logs)} seeds; a seed's budgets share its initial "
+            f"weights, so each seed is one sample: the mean of its log ratios): mAP@0.5:0.95 ratio "
             f"{math.exp(mean):.2f} (geometric mean), 95 % CI {math.exp(low):.2f}..{math.exp(high):.2f} "
-            f"(paired t on log ratios); per-pair spread {sd:.2f} in log ratio, so resolving a {gap:.0%} gap "
-            f"takes about {needed if needed else 'more than 10,000'} pairs.")
+            f"(paired t over seeds); spread {sd:.2f} in log ratio per seed, so resolving a {gap:.0%} gap "
+            f"takes about {needed if needed else 'more than 10,000'} seeds at these budgets.")
 
 
 def main() -> int:

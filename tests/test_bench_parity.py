@@ -28,20 +28,33 @@ def record(trainer: str, epochs: int, seed: int, map50_95: float) -> dict:
             "images_per_s": 20.0 if trainer != "ultralytics" else 12.0, "epoch_seconds": 22.4}
 
 
-def test_pooled_ratio_reads_every_budget_and_seed_as_a_pair(bench):
+def test_pooled_ratio_reads_each_seed_as_one_paired_sample(bench):
     ours, ref = [0.141, 0.158, 0.342], [0.184, 0.144, 0.351]
     pairs = [(record("d", e, s, a), record("ultralytics", e, s, b))
-             for (e, s), a, b in zip([(20, 0), (20, 1), (30, 0)], ours, ref, strict=True)]
+             for (e, s), a, b in zip([(20, 0), (20, 1), (30, 2)], ours, ref, strict=True)]
     line = bench.pooled_ratio("d", pairs)
     logs = [math.log(a / b) for a, b in zip(ours, ref, strict=True)]
     mean, half = statistics.fmean(logs), 4.302653 * statistics.stdev(logs) / math.sqrt(3)  # t(0.975, 2 df)
-    assert "(3 pairs)" in line
+    assert "(3 pairs, 3 seeds;" in line
     assert f"ratio {math.exp(mean):.2f} (geometric mean)" in line
     assert f"95 % CI {math.exp(mean - half):.2f}..{math.exp(mean + half):.2f}" in line
-    needed = int(re.search(r"takes about (\d+) pairs", line).group(1))
+    needed = int(re.search(r"takes about (\d+) seeds", line).group(1))
     sd, gap = statistics.stdev(logs), -math.log(0.95)
     assert stats.t.ppf(0.975, needed - 1) * sd / math.sqrt(needed) <= gap
     assert stats.t.ppf(0.975, needed - 2) * sd / math.sqrt(needed - 1) > gap
+
+
+def test_pooled_ratio_averages_the_budgets_of_one_seed(bench):
+    """Two budgets of one seed share its initial weights: one sample, not two."""
+    pairs = [(record("d", 20, 0, 0.1), record("ultralytics", 20, 0, 0.2)),
+             (record("d", 30, 0, 0.4), record("ultralytics", 30, 0, 0.2)),
+             (record("d", 20, 1, 0.3), record("ultralytics", 20, 1, 0.2))]
+    line = bench.pooled_ratio("d", pairs)
+    logs = [0.0, math.log(1.5)]  # seed 0: mean of log 0.5 and log 2
+    mean, half = statistics.fmean(logs), 12.706205 * statistics.stdev(logs) / math.sqrt(2)  # t(0.975, 1 df)
+    assert "(3 pairs, 2 seeds;" in line
+    assert f"ratio {math.exp(mean):.2f} (geometric mean), 95 % CI {math.exp(mean - half):.2f}.." in line
+    assert "no interval possible" in bench.pooled_ratio("d", pairs[:2])
 
 
 def test_pooled_ratio_with_one_pair_or_identical_pairs(bench):
@@ -49,7 +62,7 @@ def test_pooled_ratio_with_one_pair_or_identical_pairs(bench):
     assert "no interval possible" in bench.pooled_ratio("d", one)
     same = [(record("d", 20, s, 0.19), record("ultralytics", 20, s, 0.2)) for s in range(3)]
     line = bench.pooled_ratio("d", same)
-    assert "ratio 0.95" in line and "95 % CI 0.95..0.95" in line and "about 2 pairs" in line
+    assert "ratio 0.95" in line and "95 % CI 0.95..0.95" in line and "about 2 seeds" in line
 
 
 def test_summary_pairs_runs_of_the_same_budget_and_seed(bench):
@@ -62,7 +75,7 @@ def test_summary_pairs_runs_of_the_same_budget_and_seed(bench):
     assert "the same initial weights for both" in text
     assert "| 20 | detscale-x | 2 | 0.50, 1.50 | 1.00 | 1.67 |" in text
     assert "| 30 | detscale-x |" not in text
-    assert "(2 pairs)" in text
+    assert "(2 pairs, 2 seeds;" in text
 
 
 def test_initial_weights_start_the_reference_model_where_detscale_starts(bench, tmp_path):
