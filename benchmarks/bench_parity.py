@@ -223,6 +223,28 @@ def override(config_text: str, settings: list[str]) -> str:
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
+def final_train_loss(run_dir: Path, trainer: str, last: int = 3) -> float | None:
+    """The training loss (box + cls + dfl, gains applied, per batch as both trainers log it) averaged
+    over the last ``last`` epochs: the objective both trainers minimise, the same function (the loss
+    oracle in tests/test_oracles.py), read from each trainer's own per-epoch log. Far less noisy
+    than the mAP of a short run: a second, independent reading of "learns like the reference"."""
+    if trainer == "ultralytics":
+        import csv
+
+        path = run_dir / "train" / "results.csv"
+        if not path.is_file():
+            return None
+        rows = [{k.strip(): v for k, v in row.items()} for row in csv.DictReader(path.open())]
+        totals = [sum(float(row[f"train/{k}_loss"]) for k in ("box", "cls", "dfl")) for row in rows]
+    else:
+        paths = sorted(run_dir.glob("*/metrics.jsonl"))
+        if not paths:
+            return None
+        rows = [json.loads(line) for line in paths[0].read_text().splitlines() if line.strip()]
+        totals = [row["loss_box"] + row["loss_cls"] + row["loss_dfl"] for row in rows if "loss_box" in row]
+    return statistics.fmean(totals[-last:]) if totals else None
+
+
 def steady_epoch_seconds(epoch_seconds: list[float]) -> float:
     """Median training time of the epochs after the first (loader start-up), validation excluded."""
     return statistics.median(epoch_seconds[1:] if len(epoch_seconds) > 1 else epoch_seconds)
@@ -269,7 +291,8 @@ def train_detscale(data_yaml: Path, gt: Path, epochs: int, seed: int, work: Path
               "epochs": epochs, "seed": seed,
               "images_per_s": images_per_epoch(args, "detscale") / epoch_s, "epoch_seconds": epoch_s,
               "images_per_epoch": images_per_epoch(args, "detscale"), "steady_images_per_s": timing["images_per_s"],
-              "train_wall_s": train_s, "map50": ev["map50"], "map50_95": ev["map50_95"]}
+              "train_wall_s": train_s, "map50": ev["map50"], "map50_95": ev["map50_95"],
+              "train_loss": final_train_loss(run_dir, "detscale")}
     result.write_text(json.dumps(record, indent=2))
     return record
 
@@ -363,6 +386,7 @@ def train_ultralytics(data_yaml: Path, gt: Path, epochs: int, seed: int, work: P
               "images_per_s": images_per_epoch(args, "ultralytics") / epoch_s, "epoch_seconds": epoch_s,
               "images_per_epoch": images_per_epoch(args, "ultralytics"),
               "train_wall_s": meta["train_seconds"], "map50": ev["map50"], "map50_95": ev["map50_95"],
+              "train_loss": final_train_loss(run_dir, "ultralytics"),
               "lr0": meta["lr0"], "optimizer": meta["optimizer"], "params": meta["params"]}
     result.write_text(json.dumps(record, indent=2))
     return record
@@ -375,10 +399,12 @@ def summarise(records: list[dict], args: argparse.Namespace) -> str:
              + ("the same initial weights for both (detscale's of the seed)" if args.init == "same"
                 else "each trainer's own initial weights") + "; img/s = images per epoch / median "
              "training time of epochs 2+ (validation excluded), the same for both", "",
-             "| epochs | seed | trainer | img/s | epoch s | mAP@0.5 | mAP@0.5:0.95 |", "|---|---|---|---|---|---|---|"]
+             "| epochs | seed | trainer | img/s | epoch s | mAP@0.5 | mAP@0.5:0.95 | train loss, last 3 epochs |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (r["epochs"], r["seed"], r["trainer"])):
         lines.append(f"| {r['epochs']} | {r['seed']} | {r['trainer']} | {r['images_per_s']:.1f} | "
-                     f"{r['epoch_seconds']:.1f} | {r['map50']:.3f} | {r['map50_95']:.3f} |")
+                     f"{r['epoch_seconds']:.1f} | {r['map50']:.3f} | {r['map50_95']:.3f} | "
+                     + (f"{r['train_loss']:.3f} |" if r.get("train_loss") else "- |"))
     lines += ["", "| epochs | trainer | seeds | mAP@0.5:0.95 ratio to Ultralytics, per seed | mean ratio | "
                   "img/s ratio |", "|---|---|---|---|---|---|"]
     variants = sorted({r["trainer"] for r in records if r["trainer"] != "ultralytics"})
@@ -396,11 +422,14 @@ def summarise(records: list[dict], args: argparse.Namespace) -> str:
             lines.append(f"| {epochs} | {variant} | {len(pairs)} | {', '.join(f'{x:.2f}' for x in ratios)} | "
                          f"{statistics.mean(ratios):.2f} | {speed:.2f} |")
     lines += ["", *(pooled_ratio(variant, pairs_of[variant]) for variant in variants)]
+    loss = "training loss of the last 3 epochs (below 1: detscale's is lower)"
+    lines += [pooled_ratio(variant, pairs_of[variant], key="train_loss", label=loss) for variant in variants]
     return "\n".join(lines) + "\n"
 
 
-def pooled_ratio(variant: str, pairs: list[tuple[dict, dict]], gap: float = 0.05) -> str:
-    """log(detscale / Ultralytics mAP@0.5:0.95) per seed, read as paired samples.
+def pooled_ratio(variant: str, pairs: list[tuple[dict, dict]], gap: float = 0.05, key: str = "map50_95",
+                 label: str = "mAP@0.5:0.95") -> str:
+    """log(detscale / Ultralytics ``key``, by default mAP@0.5:0.95) per seed, read as paired samples.
 
     A seed's runs at several budgets share their initial weights and the start of their data
     order, so they are not independent: a seed's sample is the mean of its budgets' log ratios,
@@ -413,18 +442,18 @@ def pooled_ratio(variant: str, pairs: list[tuple[dict, dict]], gap: float = 0.05
 
     by_seed: dict[int, list[float]] = {}
     for d, u in pairs:
-        if d["map50_95"] > 0 and u["map50_95"] > 0:
-            by_seed.setdefault(d["seed"], []).append(math.log(d["map50_95"] / u["map50_95"]))
+        if (d.get(key) or 0) > 0 and (u.get(key) or 0) > 0:
+            by_seed.setdefault(d["seed"], []).append(math.log(d[key] / u[key]))
     logs = [statistics.fmean(v) for v in by_seed.values()]
     n_pairs = sum(len(v) for v in by_seed.values())
     if len(logs) < 2:
-        return f"- {variant}: {n_pairs} pair(s) of {len(logs)} seed(s), no interval possible."
+        return f"- {variant}, {label}: {n_pairs} pair(s) of {len(logs)} seed(s), no interval possible."
     mean, sd = statistics.fmean(logs), statistics.stdev(logs)
     low, high = stats.t.interval(0.95, len(logs) - 1, loc=mean, scale=sd / math.sqrt(len(logs))) if sd else (mean, mean)
     needed = next((n for n in range(2, 10_000) if stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n) <= -math.log1p(-gap)),
                   None)
     return (f"- {variant}, all budgets pooled ({n_pairs} pairs, {len(logs)} seeds; a seed's budgets share its initial "
-            f"weights, so each seed is one sample: the mean of its log ratios): mAP@0.5:0.95 ratio "
+            f"weights, so each seed is one sample: the mean of its log ratios): {label} ratio "
             f"{math.exp(mean):.2f} (geometric mean), 95 % CI {math.exp(low):.2f}..{math.exp(high):.2f} "
             f"(paired t over seeds); spread {sd:.2f} in log ratio per seed, so resolving a {gap:.0%} gap "
             f"takes about {needed if needed else 'more than 10,000'} seeds at these budgets.")
@@ -484,7 +513,11 @@ def main() -> int:
                       f"{record['map50_95']:.3f}, {record['images_per_s']:.1f} img/s "
                       f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     # every finished run of this dataset, earlier invocations (other variants) included
-    records = [json.loads(f.read_text()) for f in sorted(runs_dir(work, args).glob("*/e*_s*/parity.json"))]
+    found = sorted(runs_dir(work, args).glob("*/e*_s*/parity.json"))
+    records = [json.loads(f.read_text()) for f in found]
+    for r, f in zip(records, found, strict=True):
+        if "train_loss" not in r:  # records of older versions lack it
+            r["train_loss"] = final_train_loss(f.parent, "ultralytics" if r["trainer"] == "ultralytics" else "detscale")
     for r in records:  # img/s from what each epoch trains (records of older versions lack the count)
         kind = "ultralytics" if r["trainer"] == "ultralytics" else "detscale"
         r.setdefault("images_per_epoch", images_per_epoch(args, kind))

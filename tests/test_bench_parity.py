@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import re
 import statistics
@@ -102,3 +103,24 @@ def test_initial_weights_start_the_reference_model_where_detscale_starts(bench, 
         assert torch.allclose(ours(x)[:, 4:], ref.eval()(x)[0][:, 4:], atol=1e-6)
     with pytest.raises(SystemExit, match="shapes differ"):
         bench.load_by_position(DetectionModel("yolov9s.yaml", nc=6, verbose=False), torch.load(path))
+
+
+def test_final_train_loss_reads_both_trainers_logs(bench, tmp_path):
+    """The last epochs' training loss, from detscale's metrics.jsonl and Ultralytics' results.csv."""
+    ours = tmp_path / "d" / "run"
+    ours.mkdir(parents=True)
+    rows = [{"epoch": e, "loss_box": 1.0 + e, "loss_cls": 2.0, "loss_dfl": 0.5} for e in range(5)]
+    (ours / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert bench.final_train_loss(tmp_path / "d", "detscale") == pytest.approx(3.5 + 3.0)  # epochs 2..4
+    ref = tmp_path / "u" / "train"
+    ref.mkdir(parents=True)
+    ref.joinpath("results.csv").write_text(
+        "epoch,time,train/box_loss,train/cls_loss,train/dfl_loss\n1,9,2.0,3.0,1.0\n2,18,1.5,2.5,1.0\n")
+    assert bench.final_train_loss(tmp_path / "u", "ultralytics", last=1) == pytest.approx(5.0)
+    assert bench.final_train_loss(tmp_path / "missing", "ultralytics") is None
+    pairs = [(record("d", 20, s, 0.1) | {"train_loss": 4.0 + s}, record("ultralytics", 20, s, 0.1) | {"train_loss": 4})
+             for s in range(3)]
+    line = bench.pooled_ratio("d", pairs, key="train_loss", label="training loss")
+    geometric = (1.0 * 1.25 * 1.5) ** (1 / 3)
+    assert line.startswith("- d, all budgets pooled (3 pairs, 3 seeds;")
+    assert f"training loss ratio {geometric:.2f}" in line
