@@ -227,7 +227,7 @@ def final_train_loss(run_dir: Path, trainer: str, last: int = 3) -> float | None
     """The training loss (box + cls + dfl, gains applied, per batch as both trainers log it) averaged
     over the last ``last`` epochs: the objective both trainers minimise, the same function (the loss
     oracle in tests/test_oracles.py), read from each trainer's own per-epoch log. Far less noisy
-    than the mAP of a short run: a second, independent reading of "learns like the reference"."""
+    than the mAP of a short run: a second reading of "learns like the reference"."""
     if trainer == "ultralytics":
         import csv
 
@@ -515,12 +515,11 @@ def main() -> int:
     # every finished run of this dataset, earlier invocations (other variants) included
     found = sorted(runs_dir(work, args).glob("*/e*_s*/parity.json"))
     records = [json.loads(f.read_text()) for f in found]
-    for r, f in zip(records, found, strict=True):
-        if "train_loss" not in r:  # records of older versions lack it
-            r["train_loss"] = final_train_loss(f.parent, "ultralytics" if r["trainer"] == "ultralytics" else "detscale")
-    for r in records:  # img/s from what each epoch trains (records of older versions lack the count)
+    for r, f in zip(records, found, strict=True):  # records of older versions lack the count and the loss
         kind = "ultralytics" if r["trainer"] == "ultralytics" else "detscale"
         r.setdefault("images_per_epoch", images_per_epoch(args, kind))
+        if "train_loss" not in r:
+            r["train_loss"] = final_train_loss(f.parent, kind)
         r["images_per_s"] = r["images_per_epoch"] / r["epoch_seconds"]
     text = summarise(records, args)
     (work / "summary.json").write_text(json.dumps({"settings": vars(args) | {"work": str(work)}, "records": records},
