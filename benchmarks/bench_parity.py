@@ -306,14 +306,12 @@ def initial_weights(args: argparse.Namespace, nc: int, seed: int, work: Path) ->
     """
     import torch
 
-    from detscale.engine.trainer import seed_everything
-    from detscale.model import build_model
+    from detscale.engine.trainer import initial_model
 
     path = work / "init" / f"{args.model}_nc{nc}_s{seed}.pt"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        seed_everything(seed)  # what build_parts does before build_model
-        state = build_model(args.model, nc).state_dict()
+        state = initial_model(args.model, nc, seed).state_dict()
         torch.save([v for k, v in state.items() if ".dfl." not in k], path.with_suffix(".tmp"))
         path.with_suffix(".tmp").replace(path)
     return path

@@ -86,14 +86,12 @@ def test_initial_weights_start_the_reference_model_where_detscale_starts(bench, 
     import torch
     from ultralytics.nn.tasks import DetectionModel
 
-    from detscale.engine.trainer import seed_everything
-    from detscale.model import build_model
+    from detscale.engine.trainer import initial_model
 
     args = argparse.Namespace(model="gelan-t-detect")
     path = bench.initial_weights(args, 6, 3, tmp_path)
     assert bench.initial_weights(args, 6, 3, tmp_path) == path  # reused
-    seed_everything(3)
-    ours = build_model("gelan-t-detect", 6).eval()
+    ours = initial_model("gelan-t-detect", 6, 3).eval()
     ref = DetectionModel("yolov9t.yaml", nc=6, verbose=False)
     params = [id(q) for q in ref.parameters()]
     bench.load_by_position(ref, torch.load(path))

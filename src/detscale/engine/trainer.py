@@ -418,16 +418,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def initial_model(name: str, nc: int, seed: int) -> nn.Module:
+    """The model a run of ``seed`` starts from: the same weights on every rank and for the parity benchmark."""
+    from detscale.model import build_model
+
+    seed_everything(seed)
+    return build_model(name, nc)
+
+
 def build_parts(point: RunPoint, nc: int, sem: TrainSemantics, tcfg: TrainConfig, info: dist.DistInfo) -> Parts:
     """Model (same initial weights on every rank), SyncBN, EMA, optimiser, scheduler, scaler, loss, DDP."""
 
     from detscale.engine.syncbn import convert_sync_batchnorm
     from detscale.loss import DetectionLoss
-    from detscale.model import build_model
 
-    seed_everything(sem.seed)  # identical initialisation on every rank (DDP also broadcasts rank 0's)
     comm_probe = None
-    raw = build_model(point.model, nc)
+    raw = initial_model(point.model, nc, sem.seed)  # identical on every rank (DDP also broadcasts rank 0's)
     if sem.sync_bn and sem.world_size > 1:
         raw = convert_sync_batchnorm(raw, info.device.type)
     raw = raw.to(info.device)
