@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from detscale.files import save_torch, write_json, write_text
+
 if TYPE_CHECKING:
     import torch
 
@@ -293,7 +295,7 @@ def train_detscale(data_yaml: Path, gt: Path, epochs: int, seed: int, work: Path
               "images_per_epoch": images_per_epoch(args, "detscale"), "steady_images_per_s": timing["images_per_s"],
               "train_wall_s": train_s, "map50": ev["map50"], "map50_95": ev["map50_95"],
               "train_loss": final_train_loss(run_dir, "detscale")}
-    result.write_text(json.dumps(record, indent=2))
+    write_json(record, result, indent=2)  # atomic: a killed run leaves no half record
     return record
 
 
@@ -304,16 +306,13 @@ def initial_weights(args: argparse.Namespace, nc: int, seed: int, work: Path) ->
     models hold under different names); the architectures are equal layer for layer
     (tests/test_oracles.py), so the list loads into ``yolov9t.yaml`` by position.
     """
-    import torch
 
     from detscale.engine.trainer import initial_model
 
     path = work / "init" / f"{args.model}_nc{nc}_s{seed}.pt"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.is_file():  # two invocations (one per --trainers) may write it at once: a unique temp file each
         state = initial_model(args.model, nc, seed).state_dict()
-        torch.save([v for k, v in state.items() if ".dfl." not in k], path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
+        save_torch([v for k, v in state.items() if ".dfl." not in k], path)
     return path
 
 
@@ -386,7 +385,7 @@ def train_ultralytics(data_yaml: Path, gt: Path, epochs: int, seed: int, work: P
               "train_wall_s": meta["train_seconds"], "map50": ev["map50"], "map50_95": ev["map50_95"],
               "train_loss": final_train_loss(run_dir, "ultralytics"),
               "lr0": meta["lr0"], "optimizer": meta["optimizer"], "params": meta["params"]}
-    result.write_text(json.dumps(record, indent=2))
+    write_json(record, result, indent=2)  # atomic: a killed run leaves no half record
     return record
 
 
@@ -520,9 +519,8 @@ def main() -> int:
             r["train_loss"] = final_train_loss(f.parent, kind)
         r["images_per_s"] = r["images_per_epoch"] / r["epoch_seconds"]
     text = summarise(records, args)
-    (work / "summary.json").write_text(json.dumps({"settings": vars(args) | {"work": str(work)}, "records": records},
-                                                  indent=2, default=str))
-    (work / "summary.md").write_text(text)
+    write_json({"settings": vars(args) | {"work": str(work)}, "records": records}, work / "summary.json", indent=2)
+    write_text(text, work / "summary.md")
     print(text)
     return 0
 
