@@ -21,6 +21,8 @@ of these short runs as much as a trainer could; ``--init own`` lets each trainer
 Each (trainer, epochs, seed) is a separate run from scratch, so every budget has its own
 learning-rate schedule; runs already finished in ``--work`` are reused (delete the folder to
 start over). ``--data-seed`` draws another synthetic dataset ("data the project has not seen").
+``--jobs 2 --threads 1`` trains the two runs of a pair side by side, one core each (on a 2-core
+host: half the wall time of one at a time, and img/s is read under equal load).
 Results go to ``WORK/summary.json`` and ``WORK/summary.md``.
 """
 
@@ -33,13 +35,17 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from detscale.files import save_torch, write_json, write_text
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 #: The recipe, key by key: (what it is, Ultralytics argument and value, detscale config key and value).
@@ -180,6 +186,26 @@ def run(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path 
     return time.perf_counter() - t0
 
 
+def run_queue(queue: list[tuple], train: Callable[..., None], jobs: int) -> None:
+    """``train(*item)`` for every item, ``jobs`` at a time in queue order (each run is a subprocess,
+    so the threads only wait). The first failure is raised once the runs already training have
+    finished; the items not yet started never start."""
+    failed = threading.Event()
+
+    def guarded(*item: object) -> None:
+        if failed.is_set():  # set by the failing run's own thread before it can take the next item
+            return
+        try:
+            train(*item)
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for done in [pool.submit(guarded, *item) for item in queue]:
+            done.result()
+
+
 def make_dataset(work: Path, args: argparse.Namespace) -> Path:
     data = work / f"data-{args.data_seed}"
     if not (data / "data.yaml").is_file():
@@ -294,7 +320,7 @@ def train_detscale(data_yaml: Path, gt: Path, epochs: int, seed: int, work: Path
               "images_per_s": images_per_epoch(args, "detscale") / epoch_s, "epoch_seconds": epoch_s,
               "images_per_epoch": images_per_epoch(args, "detscale"), "steady_images_per_s": timing["images_per_s"],
               "train_wall_s": train_s, "map50": ev["map50"], "map50_95": ev["map50_95"],
-              "train_loss": final_train_loss(run_dir, "detscale")}
+              "train_loss": final_train_loss(run_dir, "detscale"), "runs_at_once": args.jobs}
     write_json(record, result, indent=2)  # atomic: a killed run leaves no half record
     return record
 
@@ -384,7 +410,7 @@ def train_ultralytics(data_yaml: Path, gt: Path, epochs: int, seed: int, work: P
               "images_per_epoch": images_per_epoch(args, "ultralytics"),
               "train_wall_s": meta["train_seconds"], "map50": ev["map50"], "map50_95": ev["map50_95"],
               "train_loss": final_train_loss(run_dir, "ultralytics"),
-              "lr0": meta["lr0"], "optimizer": meta["optimizer"], "params": meta["params"]}
+              "lr0": meta["lr0"], "optimizer": meta["optimizer"], "params": meta["params"], "runs_at_once": args.jobs}
     write_json(record, result, indent=2)  # atomic: a killed run leaves no half record
     return record
 
@@ -392,7 +418,7 @@ def train_ultralytics(data_yaml: Path, gt: Path, epochs: int, seed: int, work: P
 def summarise(records: list[dict], args: argparse.Namespace) -> str:
     lines = [f"detscale {args.model} vs Ultralytics {args.ultralytics_model}: synthetic data (seed {args.data_seed}), "
              f"{args.train} train / {args.val} val images at {args.imgsz} px, batch {args.batch}, "
-             f"{args.threads} CPU thread(s), {args.workers} loader worker(s), "
+             f"{args.threads} CPU thread(s), {args.workers} loader worker(s), {args.jobs} run(s) at a time, "
              + ("the same initial weights for both (detscale's of the seed)" if args.init == "same"
                 else "each trainer's own initial weights") + "; img/s = images per epoch / median "
              "training time of epochs 2+ (validation excluded), the same for both", "",
@@ -474,6 +500,10 @@ def main() -> int:
     p.add_argument("--close-mosaic", type=int, default=10)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time (default 1). With --jobs 2 --threads 1 on 2 cores, the two runs of a pair "
+                        "train side by side, one core each: half the wall time, and img/s compares the trainers "
+                        "under equal load (not with the numbers of runs that had the host to themselves)")
     p.add_argument("--model", default="gelan-t-detect",
                    help="detscale model (default gelan-t-detect: the architecture of yolov9t.yaml, layer for layer)")
     p.add_argument("--ultralytics-model", default="yolov9t.yaml")
@@ -486,6 +516,8 @@ def main() -> int:
     p.add_argument("--tag", default="", help="name of an ablation: its runs go to WORK/d*/detscale-MODEL-TAG")
     p.add_argument("--recipe", action="store_true", help="print the recipe mapping and exit")
     args = p.parse_args()
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.recipe:
         print("| what | Ultralytics | detscale |\n|---|---|---|")
         for row in RECIPE:
@@ -498,17 +530,18 @@ def main() -> int:
     from detscale.data.formats import load_spec
 
     nc = load_spec(data_yaml, splits=()).nc
-    records = []
     trainers = {"detscale": train_detscale, "ultralytics": train_ultralytics}
-    for epochs in args.epochs:
-        for seed in args.seeds:
-            for name in args.trainers:
-                t0 = time.perf_counter()
-                record = trainers[name](data_yaml, gt, epochs, seed, runs_dir(work, args), args, nc)
-                records.append(record)
-                print(f"{name} {epochs} epochs seed {seed}: mAP@0.5 {record['map50']:.3f} mAP@0.5:0.95 "
-                      f"{record['map50_95']:.3f}, {record['images_per_s']:.1f} img/s "
-                      f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+
+    def train(epochs: int, seed: int, name: str) -> None:
+        t0 = time.perf_counter()
+        record = trainers[name](data_yaml, gt, epochs, seed, runs_dir(work, args), args, nc)
+        print(f"{name} {epochs} epochs seed {seed}: mAP@0.5 {record['map50']:.3f} mAP@0.5:0.95 "
+              f"{record['map50_95']:.3f}, {record['images_per_s']:.1f} img/s "
+              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+
+    # in pair order, so with --jobs 2 the two trainers of a (budget, seed) pair run side by side
+    run_queue([(epochs, seed, name) for epochs in args.epochs for seed in args.seeds for name in args.trainers],
+              train, args.jobs)
     # every finished run of this dataset, earlier invocations (other variants) included
     found = sorted(runs_dir(work, args).glob("*/e*_s*/parity.json"))
     records = [json.loads(f.read_text()) for f in found]

@@ -8,6 +8,7 @@ import json
 import math
 import re
 import statistics
+import threading
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,9 @@ def test_summary_pairs_runs_of_the_same_budget_and_seed(bench):
                record("detscale-x", 20, 1, 0.3), record("ultralytics", 20, 1, 0.2),
                record("detscale-x", 30, 0, 0.4)]  # no reference run: not paired
     args = argparse.Namespace(model="m", ultralytics_model="u", data_seed=0, train=448, val=100, imgsz=256,
-                              batch=16, threads=2, workers=1, init="same")
+                              batch=16, threads=1, workers=1, jobs=2, init="same")
     text = bench.summarise(records, args)
+    assert "1 CPU thread(s), 1 loader worker(s), 2 run(s) at a time" in text
     assert "the same initial weights for both" in text
     assert "| 20 | detscale-x | 2 | 0.50, 1.50 | 1.00 | 1.67 |" in text
     assert "| 30 | detscale-x |" not in text
@@ -122,3 +124,35 @@ def test_final_train_loss_reads_both_trainers_logs(bench, tmp_path):
     geometric = (1.0 * 1.25 * 1.5) ** (1 / 3)
     assert line.startswith("- d, all budgets pooled (3 pairs, 3 seeds;")
     assert f"training loss ratio {geometric:.2f}" in line
+
+
+def test_run_queue_trains_the_two_runs_of_a_pair_side_by_side(bench):
+    both = threading.Barrier(2, timeout=30)  # passes only when two runs are training at once
+    ran = []
+
+    def train(epochs, seed, name):
+        both.wait()
+        ran.append((epochs, seed, name))
+
+    bench.run_queue([(20, 0, "detscale"), (20, 0, "ultralytics"), (30, 0, "detscale"), (30, 0, "ultralytics")],
+                    train, jobs=2)
+    assert sorted(ran) == [(20, 0, "detscale"), (20, 0, "ultralytics"), (30, 0, "detscale"), (30, 0, "ultralytics")]
+    with pytest.raises(threading.BrokenBarrierError):  # one at a time, a run never has a partner
+        alone = threading.Barrier(2, timeout=0.2)
+        bench.run_queue([(20, 0, "detscale"), (20, 0, "ultralytics")], lambda *item: alone.wait(), jobs=1)
+
+
+def test_run_queue_stops_at_the_first_failure_after_the_running_runs_finish(bench):
+    partner_failed = threading.Event()
+    finished = []
+
+    def train(epochs, seed, name):
+        if name == "fails":
+            partner_failed.set()
+            raise SystemExit("run failed; see its train.log")
+        assert partner_failed.wait(timeout=30)  # still training when its partner fails
+        finished.append((epochs, seed, name))
+
+    with pytest.raises(SystemExit, match="see its train.log"):
+        bench.run_queue([(20, 0, "trains"), (20, 0, "fails"), (30, 0, "never starts")], train, jobs=2)
+    assert finished == [(20, 0, "trains")]
