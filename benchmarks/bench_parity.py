@@ -429,7 +429,8 @@ def summarise(records: list[dict], args: argparse.Namespace) -> str:
                      f"{r['epoch_seconds']:.1f} | {r['map50']:.3f} | {r['map50_95']:.3f} | "
                      + (f"{r['train_loss']:.3f} |" if r.get("train_loss") else "- |"))
     lines += ["", "| epochs | trainer | seeds | mAP@0.5:0.95 ratio to Ultralytics, per seed | mean ratio | "
-                  "img/s ratio |", "|---|---|---|---|---|---|"]
+                  "img/s ratio | seed spread, detscale / Ultralytics | pair correlation |",
+              "|---|---|---|---|---|---|---|---|"]
     variants = sorted({r["trainer"] for r in records if r["trainer"] != "ultralytics"})
     ref = {(r["epochs"], r["seed"]): r for r in records if r["trainer"] == "ultralytics"}
     pairs_of = {variant: [(r, ref[(r["epochs"], r["seed"])])
@@ -443,11 +444,27 @@ def summarise(records: list[dict], args: argparse.Namespace) -> str:
             ratios = [d["map50_95"] / u["map50_95"] if u["map50_95"] else float("nan") for d, u in pairs]
             speed = statistics.mean(d["images_per_s"] / u["images_per_s"] for d, u in pairs)
             lines.append(f"| {epochs} | {variant} | {len(pairs)} | {', '.join(f'{x:.2f}' for x in ratios)} | "
-                         f"{statistics.mean(ratios):.2f} | {speed:.2f} |")
-    lines += ["", *(pooled_ratio(variant, pairs_of[variant]) for variant in variants)]
+                         f"{statistics.mean(ratios):.2f} | {speed:.2f} | {seed_spread(pairs)} |")
+    lines += ["", "Seed spread: the standard deviation of log mAP@0.5:0.95 over seeds, per trainer; pair "
+                  "correlation: of the two trainers' log mAP over seeds. Near 0, a pair's two runs vary as "
+                  "independent runs would, and the ratio of a pair spreads by about the root of the sum of "
+                  "their squares.", ""]
+    lines += [pooled_ratio(variant, pairs_of[variant]) for variant in variants]
     loss = "training loss of the last 3 epochs (below 1: detscale's is lower)"
     lines += [pooled_ratio(variant, pairs_of[variant], key="train_loss", label=loss) for variant in variants]
     return "\n".join(lines) + "\n"
+
+
+def seed_spread(pairs: list[tuple[dict, dict]]) -> str:
+    """Each trainer's spread of log mAP@0.5:0.95 over seeds and the correlation of the pairs (two table
+    cells): whether sharing the seed (initial weights, data) makes a pair's runs move together."""
+    if len(pairs) < 2 or any(r["map50_95"] <= 0 for pair in pairs for r in pair):
+        return "- | -"
+    ours, ref = ([math.log(pair[i]["map50_95"]) for pair in pairs] for i in (0, 1))
+    spread = f"{statistics.stdev(ours):.2f} / {statistics.stdev(ref):.2f}"
+    if len(pairs) < 3 or len(set(ours)) == 1 or len(set(ref)) == 1:
+        return f"{spread} | -"
+    return f"{spread} | {statistics.correlation(ours, ref):.2f}"
 
 
 def pooled_ratio(variant: str, pairs: list[tuple[dict, dict]], gap: float = 0.05, key: str = "map50_95",

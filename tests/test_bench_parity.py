@@ -156,3 +156,17 @@ def test_run_queue_stops_at_the_first_failure_after_the_running_runs_finish(benc
     with pytest.raises(SystemExit, match="see its train.log"):
         bench.run_queue([(20, 0, "trains"), (20, 0, "fails"), (30, 0, "never starts")], train, jobs=2)
     assert finished == [(20, 0, "trains")]
+
+
+def test_seed_spread_gives_each_trainers_spread_and_the_pairs_correlation(bench):
+    ours, ref = [0.119, 0.167, 0.190, 0.199], [0.149, 0.180, 0.165, 0.142]
+    pairs = [(record("d", 20, s, a), record("ultralytics", 20, s, b))
+             for s, (a, b) in enumerate(zip(ours, ref, strict=True))]
+    log_d, log_u = [math.log(x) for x in ours], [math.log(x) for x in ref]
+    r = stats.pearsonr(log_d, log_u).statistic
+    assert bench.seed_spread(pairs) == f"{statistics.stdev(log_d):.2f} / {statistics.stdev(log_u):.2f} | {r:.2f}"
+    assert bench.seed_spread(pairs[:2]).endswith("| -")  # two seeds: a spread, no correlation
+    assert bench.seed_spread(pairs[:1]) == "- | -"
+    moving_together = [(record("d", 20, s, 0.1 * (s + 1)), record("ultralytics", 20, s, 0.2 * (s + 1)))
+                       for s in range(3)]
+    assert bench.seed_spread(moving_together).endswith("| 1.00")
