@@ -332,7 +332,6 @@ def initial_weights(args: argparse.Namespace, nc: int, seed: int, work: Path) ->
     models hold under different names); the architectures are equal layer for layer
     (tests/test_oracles.py), so the list loads into ``yolov9t.yaml`` by position.
     """
-
     from detscale.engine.trainer import initial_model
 
     path = work / "init" / f"{args.model}_nc{nc}_s{seed}.pt"
