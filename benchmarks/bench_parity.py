@@ -207,6 +207,14 @@ def run_queue(queue: list[tuple], train: Callable[..., None], jobs: int) -> None
 
 
 def make_dataset(work: Path, args: argparse.Namespace) -> Path:
+    """The data.yaml to train on: ``--data`` as given, or a generated family's (made once in ``work``)."""
+    if getattr(args, "data", None):
+        return Path(args.data).resolve()
+    if args.family != "synth":
+        from families import generate
+
+        return generate(args.family, work / f"data-{args.family}-{args.data_seed}", args.data_seed, args.train,
+                        args.val, args.imgsz)
     data = work / f"data-{args.data_seed}"
     if not (data / "data.yaml").is_file():
         run([sys.executable, "-m", "detscale", "synth", "--out", str(data), "--seed", str(args.data_seed),
@@ -216,18 +224,32 @@ def make_dataset(work: Path, args: argparse.Namespace) -> Path:
     return data / "data.yaml"
 
 
+def data_key(data_yaml: Path) -> str:
+    """A short name of a dataset for file names in the work folder: its folder and a hash of its path."""
+    import hashlib
+
+    resolved = str(Path(data_yaml).resolve())
+    return f"{Path(resolved).parent.name}-{hashlib.sha1(resolved.encode()).hexdigest()[:8]}"
+
+
 def ground_truth(data_yaml: Path, work: Path) -> Path:
+    """The COCO ground truth of the validation split, in ``work`` (never beside a user's dataset)."""
     from detscale.data.formats import load_spec
     from detscale.metrics.coco import ensure_coco_gt
 
-    gt = data_yaml.parent / "coco_val.json"
+    gt = work / "gt" / f"{data_key(data_yaml)}.json"
+    gt.parent.mkdir(parents=True, exist_ok=True)
     ensure_coco_gt(load_spec(data_yaml, splits=("val",)), "val", gt)
     return gt
 
 
 def runs_dir(work: Path, args: argparse.Namespace) -> Path:
     """The runs of one dataset and initialisation mode (only runs of the same mode pair up)."""
-    return work / (f"d{args.data_seed}" + ("-same-init" if args.init == "same" else ""))
+    init = "-same-init" if args.init == "same" else ""
+    if getattr(args, "data", None):
+        return work / f"data-{data_key(Path(args.data))}{init}"
+    family = "" if args.family == "synth" else f"{args.family}-"
+    return work / f"{family}d{args.data_seed}{init}"
 
 
 def variant_name(args: argparse.Namespace) -> str:
@@ -367,13 +389,18 @@ def ultralytics_predictions_to_coco(pred_json: Path, gt: Path, out: Path) -> Pat
     return out
 
 
-def absolute_data_yaml(data_yaml: Path) -> Path:
-    """The same dataset with an absolute ``path:`` (Ultralytics resolves a relative one elsewhere)."""
+def absolute_data_yaml(data_yaml: Path, out_dir: Path | None = None) -> Path:
+    """The same dataset with the absolute ``path:`` detscale resolves (Ultralytics resolves a relative
+    one against its own datasets folder), written to ``out_dir`` (default: beside ``data_yaml``)."""
     import yaml
 
+    from detscale.data.formats import load_spec
+
     spec = yaml.safe_load(data_yaml.read_text())
-    spec["path"] = str(data_yaml.parent.resolve())
-    out = data_yaml.with_name("data-ultralytics.yaml")
+    spec["path"] = str(load_spec(data_yaml, splits=()).root)
+    folder = out_dir if out_dir is not None else data_yaml.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"data-ultralytics-{data_key(data_yaml)}.yaml"
     out.write_text(yaml.safe_dump(spec, sort_keys=False))
     return out
 
@@ -387,7 +414,7 @@ def train_ultralytics(data_yaml: Path, gt: Path, epochs: int, seed: int, work: P
     if result.is_file():
         return json.loads(result.read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
-    data_yaml = absolute_data_yaml(data_yaml)
+    data_yaml = absolute_data_yaml(data_yaml, run_dir)
     script = run_dir / "run.py"
     info = run_dir / "info.json"
     init = str(initial_weights(args, nc, seed, work)) if args.init == "same" else None
@@ -415,7 +442,9 @@ def train_ultralytics(data_yaml: Path, gt: Path, epochs: int, seed: int, work: P
 
 
 def summarise(records: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"detscale {args.model} vs Ultralytics {args.ultralytics_model}: synthetic data (seed {args.data_seed}), "
+    data = f"dataset {args.data}" if getattr(args, "data", None) else \
+        f"data family {getattr(args, 'family', 'synth')} (seed {args.data_seed})"
+    lines = [f"detscale {args.model} vs Ultralytics {args.ultralytics_model}: {data}, "
              f"{args.train} train / {args.val} val images at {args.imgsz} px, batch {args.batch}, "
              f"{args.threads} CPU thread(s), {args.workers} loader worker(s), {args.jobs} run(s) at a time, "
              + ("the same initial weights for both (detscale's of the seed)" if args.init == "same"
@@ -499,12 +528,20 @@ def pooled_ratio(variant: str, pairs: list[tuple[dict, dict]], gap: float = 0.05
 
 
 def main() -> int:
+    from families import FAMILIES  # benchmarks/families.py, beside this script
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=Path("results/bench_parity"))
     p.add_argument("--epochs", type=int, nargs="+", default=[10, 20, 30], help="epoch budgets (one run each)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="training seeds")
     p.add_argument("--trainers", nargs="+", default=["detscale", "ultralytics"], choices=["detscale", "ultralytics"])
+    p.add_argument("--family", default="synth", choices=["synth", *FAMILIES],
+                   help="data family: synth (detscale synth, the default) or a generator of benchmarks/families.py "
+                        "(shapes, dense, gray), which differ in what makes detection hard")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic dataset")
+    p.add_argument("--data", default="", metavar="DATA_YAML",
+                   help="train on this YOLO dataset instead of generated data (its split sizes replace --train "
+                        "and --val; nothing is written beside it)")
     p.add_argument("--imgsz", type=int, default=256)
     p.add_argument("--train", type=int, default=448,
                    help="training images (default 448, a multiple of the nominal batch 64: both trainers then "
@@ -545,7 +582,10 @@ def main() -> int:
     gt = ground_truth(data_yaml, work)
     from detscale.data.formats import load_spec
 
-    nc = load_spec(data_yaml, splits=()).nc
+    spec = load_spec(data_yaml)
+    nc = spec.nc
+    if args.data:  # the images each trainer trains per epoch follow from the real split sizes
+        args.train, args.val = len(spec.splits["train"]), len(spec.splits["val"])
     trainers = {"detscale": train_detscale, "ultralytics": train_ultralytics}
 
     def train(epochs: int, seed: int, name: str) -> None:
