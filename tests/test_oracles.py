@@ -377,3 +377,34 @@ def test_detect_variants_compute_what_ultralytics_yolov9_computes(size: str) -> 
     flat = torch.cat([m.view(2, 4 * REG_MAX + NC, -1) for m in our_maps], 2)
     assert torch.allclose(flat[:, : 4 * REG_MAX], ref_train["boxes"], atol=1e-4)
     assert torch.allclose(flat[:, 4 * REG_MAX:], ref_train["scores"], atol=1e-4)
+
+
+def test_initial_weights_are_drawn_from_the_reference_distribution() -> None:
+    """Each trainer draws its own initial weights; the draws must come from one distribution, or "each
+    trainer's own initialisation" would be a difference between the trainers, not a random draw.
+    Per tensor (by position; the layers are equal) a two-sample KS test of detscale's draw against
+    Ultralytics', Holm-corrected over the tensors; constant tensors (BatchNorm, head biases) equal
+    up to the box-bias constant the DFL softmax does not see (test above)."""
+    from scipy import stats
+    from ultralytics.nn.tasks import DetectionModel
+
+    from detscale.model import build_model
+
+    torch.manual_seed(11)
+    ours = build_model("gelan-t-detect", NC)
+    torch.manual_seed(12)
+    ref = DetectionModel("yolov9t.yaml", nc=NC, verbose=False)
+    pairs = [(k, a.flatten().double().numpy(), b.flatten().double().numpy())
+             for (k, a), b in zip(((k, v) for k, v in ours.state_dict().items() if ".dfl." not in k),
+                                  (v for k, v in ref.state_dict().items() if ".dfl." not in k), strict=True)
+             if a.dtype.is_floating_point]
+    random_ones = [(k, a, b) for k, a, b in pairs if a.std() > 0 or b.std() > 0]
+    box_bias = {f"head.box.{level}.2.bias" for level in range(3)}  # 1.0 vs 2.0, see the test above
+    for k, a, b in pairs:
+        if a.std() == 0 and b.std() == 0 and k not in box_bias:
+            assert np.array_equal(a, b), k  # BatchNorm weights, biases, running statistics; class-bias priors
+    p = sorted(stats.ks_2samp(a, b).pvalue for _, a, b in random_ones)
+    m = len(p)
+    assert m > 100
+    assert all(pi > 0.05 / (m - i) for i, pi in enumerate(p)), p[:5]  # Holm at 5 %: no tensor differs
+    assert sum(a.size for _, a, _ in random_ones) > 1_000_000
