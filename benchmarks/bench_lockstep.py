@@ -514,8 +514,9 @@ def late_gap(rows: list[dict[str, Any]], last: int = 5) -> float:
 
 
 def report(work: Path, args: argparse.Namespace, data_yaml: Path, gt: Path, nc: int) -> str:
-    runs = {name: read_run(run_dir(work, name)) for name in RUNS}
-    scores = {name: evaluate_ema(run_dir(work, name), data_yaml, args.imgsz, gt, nc) for name in RUNS}
+    names = [name for name in RUNS if name in args.runs]
+    runs = {name: read_run(run_dir(work, name)) for name in names}
+    scores = {name: evaluate_ema(run_dir(work, name), data_yaml, args.imgsz, gt, nc) for name in names}
     data = args.data or f"data family {args.family} (seed {args.data_seed}), {args.train} training images"
     lines = [f"# Lockstep: detscale gelan-t-detect vs Ultralytics yolov9t.yaml, {args.steps} optimiser steps", "",
              f"{data} at {args.imgsz} px, batch {args.batch}, nominal batch 64, {args.epochs}-epoch schedule "
@@ -523,8 +524,10 @@ def report(work: Path, args: argparse.Namespace, data_yaml: Path, gt: Path, nc: 
              f"training seed {args.seed}, the same initial weights; {args.threads} thread(s) per run. Floor "
              f"{FLOOR}: detscale from weights perturbed by {args.perturb:g} (relative, about one float32 ulp).", ""]
     summary: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}, "pairs": {}, "runs": {}}
-    floor_epochs = compare_epochs(runs["D(d)"], runs[FLOOR])
+    floor_epochs = compare_epochs(runs["D(d)"], runs[FLOOR]) if {"D(d)", FLOOR} <= set(runs) else []
     for a, b, what in PAIRS:
+        if a not in runs or b not in runs:
+            continue
         steps = compare(runs[a], runs[b])
         paired = [r for r in steps if r["same_batches"]]
         until = next((r["step"] - 1 for r in steps if not r["same_batches"]), steps[-1]["step"] if steps else 0)
@@ -553,15 +556,18 @@ def report(work: Path, args: argparse.Namespace, data_yaml: Path, gt: Path, nc: 
         lines.append("")
     lines += ["## Trainer x data: the EMA weights after the last step, on the validation set", "",
               "| | detscale's batches (d) | Ultralytics' batches (u) |", "|---|---|---|"]
+
+    def cell(name: str) -> str:
+        if name not in runs:
+            return "not run"
+        return f"{scores[name]['map50_95']:.3f} / {scores[name]['map50']:.3f} / {last_epoch_loss(runs[name]):.3f}"
+
     for trainer, label in (("D", "detscale (D)"), ("U", "Ultralytics (U)")):
-        cells = [f"{scores[f'{trainer}({d})']['map50_95']:.3f} / {scores[f'{trainer}({d})']['map50']:.3f} / "
-                 f"{last_epoch_loss(runs[f'{trainer}({d})']):.3f}" for d in ("d", "u")]
-        lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {label} | {cell(f'{trainer}(d)')} | {cell(f'{trainer}(u)')} |")
     lines += ["", "Each cell: mAP@0.5:0.95 / mAP@0.5 (detscale's evaluator on the same validation images) / mean "
-                  f"training loss of the last complete epoch. Floor run {FLOOR}: {scores[FLOOR]['map50_95']:.3f} / "
-                  f"{scores[FLOOR]['map50']:.3f} / {last_epoch_loss(runs[FLOOR]):.3f}.", ""]
+                  f"training loss of the last complete epoch. Floor run {FLOOR}: {cell(FLOOR)}.", ""]
     summary["runs"] = {name: {**scores[name], "last_epoch_loss": last_epoch_loss(runs[name]),
-                              "steps": len(runs[name]["rows"])} for name in RUNS}
+                              "steps": len(runs[name]["rows"])} for name in runs}
     from detscale.files import write_json, write_text
 
     write_json(summary, work / "lockstep.json", indent=1)
@@ -603,7 +609,7 @@ def run_all(args: argparse.Namespace, work: Path, data_yaml: Path, init: Path) -
         return (run_dir(work, name) / "steps.jsonl").is_file()
 
     for stage in (["D(d)", "U(u)"], ["U(d)", "D(u)", "D'(d)"]):  # replays need the recordings
-        queue = [n for n in stage if not done(n)]
+        queue = [n for n in stage if n in args.runs and not done(n)]
         running: list[tuple[str, subprocess.Popen]] = []
         while queue or running:
             while queue and len(running) < args.jobs:
@@ -651,6 +657,9 @@ def main() -> int:
     p.add_argument("--val", type=int, default=200)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--perturb", type=float, default=1e-7)
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
+                   help="the runs to make (default all five); D(d) U(d) D'(d) is the trainer comparison on "
+                        "detscale's batches with its floor, in three runs")
     args = p.parse_args()
     if args.command == "_run":
         torch.set_num_threads(args.threads)
@@ -673,6 +682,8 @@ def main() -> int:
     gt = ground_truth(data_yaml, work)
     nc = load_spec(data_yaml, splits=()).nc
     init = initial_weights(ns, nc, args.seed, work)
+    needed = {RUNS[name][1] for name in args.runs}  # whose batches the asked runs train on
+    args.runs = sorted(set(args.runs) | {f"{t[0].upper()}({t[0]})" for t in needed}, key=list(RUNS).index)
     run_all(args, work, data_yaml, init)
     print(report(work, args, data_yaml, gt, nc))
     return 0
