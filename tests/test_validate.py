@@ -34,7 +34,7 @@ EXPECTED = {
     ("class_out_of_range", "class_range.txt", 1),
     ("box_clipped", "coords.txt", 3),
     ("coord_out_of_range", "coords.txt", 4),
-    ("coord_out_of_range", "coords.txt", 5),
+    ("box_outside", "coords.txt", 5),
     ("box_clipped", "clipped.txt", 1),
     ("box_nonpositive", "box_zero.txt", 1),
     ("duplicate_box", "dup_box.txt", 3),
@@ -80,6 +80,7 @@ def make_defective(root: Path) -> Path:
         "class_range.jpg": (jpeg(next(seed)), b"3 0.5 0.5 0.2 0.2\n"),
         # line 2 is within the tolerance; line 3 has its right edge at 1.05 (clipped, as the reference
         # does); line 4 a cy below the reference's bounds (-0.01); line 5 lies wholly right of the image
+        # (left out, a warning)
         "coords.jpg": (jpeg(next(seed)), b"0 0.5 0.5 0.2 0.2\n0 0.9004 0.5 0.2 0.2\n0 0.95 0.5 0.2 0.2\n"
                                          b"1 0.5 -0.1 0.1 0.1\n1 1.005 0.5 0.008 0.1\n"),
         "clipped.jpg": (jpeg(next(seed)), b"0 0.98 0.5 0.2 0.2\n"),  # a border object: kept, clipped
@@ -141,7 +142,7 @@ def test_every_kind_is_found_with_its_file_and_line(defective, tmp_path):
     assert found(doc) == EXPECTED
     notes = {(f["kind"], Path(f["file"]).name) for f in doc["findings"] if f["severity"] == "info"}
     assert notes == {("background", "background.jpg"), ("background", "empty_label.jpg")}
-    assert doc["counts"]["coord_out_of_range"] == 2 and doc["counts"]["background"] == 2
+    assert doc["counts"]["coord_out_of_range"] == 1 and doc["counts"]["background"] == 2
     assert doc["counts"]["box_clipped"] == 2
     assert set(doc["counts"]) == set(KINDS) and not doc["passed"]
     assert all(set(f) == {"split", "file", "line", "kind", "severity", "message"} for f in doc["findings"])

@@ -64,11 +64,11 @@ KINDS: dict[str, tuple[str, str]] = {
     "class_negative": ("error", "negative class id"),
     "class_out_of_range": ("error", "class id >= the number of names in data.yaml"),
     "box_nonpositive": ("error", "box with zero or negative width or height"),
-    "coord_out_of_range": ("error", f"cx, cy, w or h outside [{VALUE_BOUNDS[0]:g}, {VALUE_BOUNDS[1]:g}], or a box "
-                                    "wholly outside the image"),
+    "coord_out_of_range": ("error", f"cx, cy, w or h outside [{VALUE_BOUNDS[0]:g}, {VALUE_BOUNDS[1]:g}]"),
     "train_val_overlap": ("error", "training image with the same content as a validation image"),
     "duplicate_image": ("warning", "image with the same content as an earlier one of the split"),
     "box_clipped": ("warning", "box reaching beyond the image: training and evaluation use its part inside"),
+    "box_outside": ("warning", "box wholly outside the image: left out of training and evaluation"),
     "duplicate_box": ("warning", "the same box twice in one label file: used once"),
     "label_orphan": ("warning", "label file without an image"),
     "background": ("info", "image without labels (no label file, or an empty one): allowed"),
@@ -282,7 +282,8 @@ def _check_line(
             out.append(Finding(split, name, line, "coord_out_of_range",
                                f"{', '.join(outside)}: outside [{lo:g}, {hi:g}] (normalised coordinates)"))
         elif cx + w / 2 <= 0 or cx - w / 2 >= 1 or cy + h / 2 <= 0 or cy - h / 2 >= 1:
-            out.append(Finding(split, name, line, "coord_out_of_range", "the box lies wholly outside the image"))
+            out.append(Finding(split, name, line, "box_outside",
+                               "the box lies wholly outside the image: left out (the image is kept)"))
         elif beyond := [f"{label} = {v:g}" for label, v, side in edges
                         if (v < -TOLERANCE if side == "<" else v > 1 + TOLERANCE)]:
             out.append(Finding(split, name, line, "box_clipped",
