@@ -259,3 +259,23 @@ def test_unreadable_image_is_a_user_error(tmp_path):
     (tmp_path / "ds" / "images" / "val" / "b.png").write_bytes(b"not an image")
     with pytest.raises(UserError, match="b.png"):
         yolo_to_coco(load_spec(yaml_path), "val", tmp_path / "coco.json")
+
+
+def test_ground_truth_holds_the_boxes_training_uses_and_is_rebuilt_from_an_older_version(tmp_path):
+    """A border object labelled beyond the image is clipped in the ground truth as in training; a
+    ground truth written before that (no version) is rebuilt, not reused."""
+    from detscale.metrics.coco import GT_VERSION, ensure_coco_gt
+
+    for split in ("train", "val"):
+        (tmp_path / "images" / split).mkdir(parents=True)
+        (tmp_path / "labels" / split).mkdir(parents=True)
+        cv2.imwrite(str(tmp_path / "images" / split / "a.png"), np.zeros((50, 100, 3), np.uint8))
+        (tmp_path / "labels" / split / "a.txt").write_text("0 0.95 0.5 0.2 0.4\n0 0.95 0.5 0.2 0.4\n")
+    (tmp_path / "data.yaml").write_text("path: .\ntrain: images/train\nval: images/val\nnames: [thing]\n")
+    spec = load_spec(tmp_path / "data.yaml")
+    out = tmp_path / "gt.json"
+    out.write_text(json.dumps({"info": {}, "images": [{"id": 0}], "annotations": [], "categories": []}))
+    gt = json.loads(ensure_coco_gt(spec, "val", out).read_text())
+    assert gt["info"]["detscale_gt_version"] == GT_VERSION
+    (ann,) = gt["annotations"]  # the repeated line once
+    assert ann["bbox"] == pytest.approx([85.0, 15.0, 15.0, 20.0], abs=1e-3)  # x from 85 to the border at 100

@@ -112,3 +112,23 @@ def test_missing_yaml_and_malformed_labels(tmp_path):
     bad.write_text("0 0.5 0.5 0.1\n")
     with pytest.raises(formats.DatasetError, match="detscale validate"):
         formats.read_labels(bad)
+
+
+def test_labels_are_read_as_the_reference_trains_on_them(tmp_path):
+    """Repeated lines once, boxes clipped to the image, a box wholly outside left out; boxes inside
+    bit for bit as written (a dataset without such boxes trains exactly as before)."""
+    label = tmp_path / "a.txt"
+    label.write_text("0 0.3 0.3 0.2 0.2\n"      # inside
+                     "1 0.95 0.5 0.2 0.4\n"     # right edge at 1.05: clipped to 0.85..1.0
+                     "0 0.3 0.3 0.2 0.2\n"      # repeats line 1
+                     "2 0.05 0.02 0.2 0.1\n"    # left and top edges beyond: clipped
+                     "1 1.005 0.5 0.008 0.1\n"  # wholly outside the image
+                     "2 0.123457 0.654321 0.111111 0.222222\n")
+    got = formats.read_labels(label)
+    assert got.dtype == np.float32 and got.shape == (4, 5)
+    raw = np.array([[0, 0.3, 0.3, 0.2, 0.2], [2, 0.123457, 0.654321, 0.111111, 0.222222]], np.float32)
+    assert np.array_equal(got[[0, 3]], raw)  # untouched rows: the float32 values written
+    np.testing.assert_allclose(got[1], [1, 0.925, 0.5, 0.15, 0.4], atol=1e-6)
+    np.testing.assert_allclose(got[2], [2, 0.075, 0.035, 0.15, 0.07], atol=1e-6)
+    x1, y1 = got[:, 1] - got[:, 3] / 2, got[:, 2] - got[:, 4] / 2
+    assert (x1 >= -1e-7).all() and (y1 >= -1e-7).all() and (got[:, 1] + got[:, 3] / 2 <= 1 + 1e-7).all()

@@ -408,3 +408,50 @@ def test_initial_weights_are_drawn_from_the_reference_distribution() -> None:
     assert m > 100
     assert all(pi > 0.05 / (m - i) for i, pi in enumerate(p)), p[:5]  # Holm at 5 %: no tensor differs
     assert sum(a.size for _, a, _ in random_ones) > 1_000_000
+
+
+def test_validation_keeps_the_images_the_reference_trains_on(tmp_path) -> None:
+    """The clean view ('quarantine') holds exactly the training images Ultralytics 8.4 accepts: a
+    stricter validator trains on fewer images per epoch than the reference, a looser one on more.
+    Border cases: edges beyond the image (kept, clipped), values within and beyond the reference's
+    [-0.01, 1.01], a box wholly outside (kept, the box left out), repeated lines, bad classes."""
+    from pathlib import Path
+
+    import cv2
+    import yaml
+    from ultralytics.cfg import get_cfg
+    from ultralytics.data.build import build_yolo_dataset
+    from ultralytics.data.utils import check_det_dataset
+
+    from detscale.data.validate import validate
+
+    cases = {
+        "inside": "0 0.5 0.5 0.2 0.2", "edge_beyond": "0 0.95 0.5 0.2 0.2", "centre_just_out": "1 1.005 0.5 0.2 0.2",
+        "centre_out": "1 1.02 0.5 0.2 0.2", "top_just_out": "0 0.5 -0.005 0.1 0.1", "top_out": "0 0.5 -0.02 0.1 0.1",
+        "too_wide": "0 0.5 0.5 1.02 0.2", "wholly_outside": "0 1.005 0.5 0.008 0.1",
+        "repeated": "0 0.5 0.5 0.2 0.2\n" * 2,
+        "class_out": "5 0.5 0.5 0.2 0.2", "class_float": "0.5 0.5 0.5 0.2 0.2", "six_columns": "0 0.5 0.5 0.2 0.2 0.1",
+        "empty": "", "mixed": "0 0.3 0.3 0.1 0.1\n1 0.5 1.5 0.1 0.1",
+    }
+    root = tmp_path / "data"
+    for split in ("train", "val"):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "labels" / split).mkdir(parents=True)
+    for i, (name, text) in enumerate(cases.items()):
+        img = np.random.default_rng(i).integers(0, 255, (40, 48, 3), dtype=np.uint8)
+        cv2.imwrite(str(root / "images" / "train" / f"{name}.png"), img)
+        (root / "labels" / "train" / f"{name}.txt").write_text(text + "\n" if text else "")
+    cv2.imwrite(str(root / "images" / "val" / "v.png"), np.zeros((40, 48, 3), np.uint8))
+    (root / "labels" / "val" / "v.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    spec = {"path": str(root), "train": "images/train", "val": "images/val", "names": ["a", "b", "c"]}
+    (root / "data.yaml").write_text(yaml.safe_dump(spec))
+
+    validate(root / "data.yaml", tmp_path / "out", policy="quarantine", workers=1)
+    ours = {Path(p).stem for p in (tmp_path / "out" / "clean" / "train.txt").read_text().split()}
+    data = check_det_dataset(str(root / "data.yaml"))
+    ref = build_yolo_dataset(get_cfg(overrides={"imgsz": 64, "task": "detect"}), data["train"], 4, data,
+                             mode="train", stride=32)
+    theirs = {Path(p).stem for p in ref.im_files}
+    assert ours == theirs
+    assert {"inside", "edge_beyond", "wholly_outside", "repeated", "empty"} <= ours
+    assert not {"centre_out", "top_out", "too_wide", "class_out", "six_columns", "mixed"} & ours

@@ -308,3 +308,26 @@ def test_time_to_accuracy_from_validation_during_training(tmp_path: Path):
     assert float(two["time_to_target_speedup"]) == pytest.approx(19.0 / 13.0, rel=1e-5)  # 6 digits in the CSV
     assert float(one["time_to_target_speedup"]) == pytest.approx(1.0)
     assert "time_to_accuracy" in files.plots
+
+
+def test_report_says_what_validation_dropped_from_training(tmp_path: Path):
+    """Quarantined training images are images the runs never saw: a comparison with a trainer that
+    takes them is not like for like, so the report names the count, the reasons and the report file."""
+    config_path = write_config(tmp_path, [1])
+    cfg = dsconfig.load(config_path)
+    run = write_run(tmp_path / "runs", cfg, "gelan-t_64_g1_b8_disk_fp32_s0_r0", 50.0, 0.5)
+    clean = tmp_path / "data" / "shapes"
+    clean.mkdir(parents=True)
+    (clean / "data.yaml").write_text("path: .\ntrain: clean/train.txt\nval: clean/val.txt\nnames: [a]\n")
+    doc = yaml.safe_load((run / "config.yaml").read_text())
+    doc["data_yaml"] = str(clean / "data.yaml")
+    (run / "config.yaml").write_text(yaml.safe_dump(doc))
+    md = build_report([run], config_path, tmp_path / "report").markdown.read_text()
+    assert "Data:" not in md  # no validation report beside the data.yaml: nothing to say
+    (clean / "validation.json").write_text(json.dumps({
+        "policy": "quarantine", "splits": {"train": {"images": 400, "kept": 300, "dropped": 100}},
+        "counts": {"train_val_overlap": 100, "box_clipped": 7, "duplicate_box": 2, "coord_out_of_range": 0}}))
+    md = build_report([run], config_path, tmp_path / "report").markdown.read_text()
+    assert "validation (quarantine) kept 300 of 400 training images" in md
+    assert "without the 100 dropped ones (train_val_overlap: 100;" in md and "duplicate_box" not in md
+    assert "7 box(es) reaching beyond their image were clipped" in md

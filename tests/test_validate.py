@@ -32,8 +32,10 @@ EXPECTED = {
     ("class_not_integer", "class_float.txt", 1),
     ("class_negative", "class_negative.txt", 2),
     ("class_out_of_range", "class_range.txt", 1),
-    ("coord_out_of_range", "coords.txt", 3),
+    ("box_clipped", "coords.txt", 3),
     ("coord_out_of_range", "coords.txt", 4),
+    ("box_outside", "coords.txt", 5),
+    ("box_clipped", "clipped.txt", 1),
     ("box_nonpositive", "box_zero.txt", 1),
     ("duplicate_box", "dup_box.txt", 3),
     ("duplicate_image", "good_copy.jpg", None),
@@ -42,7 +44,7 @@ EXPECTED = {
 }
 BAD_TRAIN = {"corrupt", "truncated", "zero_bytes", "zero_width", "bad_encoding", "columns", "not_numeric",
              "class_float", "class_negative", "class_range", "coords", "box_zero", "good_copy", "leak"}
-KEPT_TRAIN = {"good", "good_png", "background", "empty_label", "dup_box", "edge"}
+KEPT_TRAIN = {"good", "good_png", "background", "empty_label", "dup_box", "edge", "clipped"}
 
 
 def jpeg(seed: int, size: int = 24) -> bytes:
@@ -76,9 +78,12 @@ def make_defective(root: Path) -> Path:
         "class_float.jpg": (jpeg(next(seed)), b"1.5 0.5 0.5 0.2 0.2\n"),
         "class_negative.jpg": (jpeg(next(seed)), b"0 0.5 0.5 0.2 0.2\n-1 0.5 0.5 0.2 0.2\n"),
         "class_range.jpg": (jpeg(next(seed)), b"3 0.5 0.5 0.2 0.2\n"),
-        # line 2 is within the tolerance; line 3 has its right edge at 1.05; line 4 a negative cy
+        # line 2 is within the tolerance; line 3 has its right edge at 1.05 (clipped, as the reference
+        # does); line 4 a cy below the reference's bounds (-0.01); line 5 lies wholly right of the image
+        # (left out, a warning)
         "coords.jpg": (jpeg(next(seed)), b"0 0.5 0.5 0.2 0.2\n0 0.9004 0.5 0.2 0.2\n0 0.95 0.5 0.2 0.2\n"
-                                         b"1 0.5 -0.1 0.1 0.1\n"),
+                                         b"1 0.5 -0.1 0.1 0.1\n1 1.005 0.5 0.008 0.1\n"),
+        "clipped.jpg": (jpeg(next(seed)), b"0 0.98 0.5 0.2 0.2\n"),  # a border object: kept, clipped
         "box_zero.jpg": (jpeg(next(seed)), b"0 0.5 0.5 0 0.2\n"),
         "dup_box.jpg": (jpeg(next(seed)), b"0 0.5 0.5 0.2 0.2\n1 0.3 0.3 0.1 0.1\n0 0.5 0.5 0.2 0.2\n"),
         "edge.jpg": (jpeg(next(seed)), b"0.0 0.1 0.1 0.2 0.2\n2 0.9 0.9 0.2 0.2\n"),  # touches the borders: fine
@@ -137,7 +142,8 @@ def test_every_kind_is_found_with_its_file_and_line(defective, tmp_path):
     assert found(doc) == EXPECTED
     notes = {(f["kind"], Path(f["file"]).name) for f in doc["findings"] if f["severity"] == "info"}
     assert notes == {("background", "background.jpg"), ("background", "empty_label.jpg")}
-    assert doc["counts"]["coord_out_of_range"] == 2 and doc["counts"]["background"] == 2
+    assert doc["counts"]["coord_out_of_range"] == 1 and doc["counts"]["background"] == 2
+    assert doc["counts"]["box_clipped"] == 2
     assert set(doc["counts"]) == set(KINDS) and not doc["passed"]
     assert all(set(f) == {"split", "file", "line", "kind", "severity", "message"} for f in doc["findings"])
     leak = next(f for f in doc["findings"] if f["kind"] == "train_val_overlap")

@@ -132,9 +132,14 @@ def load_spec(data_yaml: str | Path, splits: Sequence[str] = SPLITS) -> DatasetS
 
 
 def read_labels(label_file: Path) -> np.ndarray:
-    """Labels of one image as float32 ``[n, 5]`` (class, cx, cy, w, h); empty when no file.
+    """Labels of one image as float32 ``[n, 5]`` (class, cx, cy, w, h) as training and evaluation use
+    them; empty when there is no file.
 
-    Assumes a validated dataset: malformed lines raise :class:`DatasetError` naming the file.
+    As the reference trainer takes them: a line that repeats an earlier one is used once, and a
+    box that reaches beyond the image (a border object labelled with its whole extent, or
+    rounding) is clipped to it; a box wholly outside the image is left out. Boxes inside the image
+    are returned bit for bit as written. ``detscale validate`` reports each case. Assumes a
+    validated dataset: malformed lines raise :class:`DatasetError` naming the file.
     """
     if not label_file.is_file():
         return np.zeros((0, 5), np.float32)
@@ -143,7 +148,26 @@ def read_labels(label_file: Path) -> np.ndarray:
         arr = np.array(rows, dtype=np.float32).reshape(-1, 5)
     except ValueError:
         raise DatasetError(f"{label_file}: malformed label lines; run `detscale validate` for details") from None
-    return arr
+    _, first = np.unique(arr, axis=0, return_index=True)
+    if len(first) < len(arr):
+        arr = arr[np.sort(first)]
+    return clip_to_image(arr)
+
+
+def clip_to_image(labels: np.ndarray) -> np.ndarray:
+    """``[n, 5]`` (class, cx, cy, w, h) labels with every box clipped to the image ``[0, 1]^2``.
+
+    Rows inside the image are kept bit for bit; rows left without area are dropped.
+    """
+    x1, y1 = labels[:, 1] - labels[:, 3] / 2, labels[:, 2] - labels[:, 4] / 2
+    x2, y2 = labels[:, 1] + labels[:, 3] / 2, labels[:, 2] + labels[:, 4] / 2
+    beyond = (x1 < 0) | (y1 < 0) | (x2 > 1) | (y2 > 1)
+    if not beyond.any():
+        return labels
+    out = labels.copy()
+    cx1, cy1, cx2, cy2 = (np.clip(v[beyond], 0, 1) for v in (x1, y1, x2, y2))
+    out[beyond, 1:5] = np.stack([(cx1 + cx2) / 2, (cy1 + cy2) / 2, cx2 - cx1, cy2 - cy1], 1)
+    return out[(out[:, 3] > 0) & (out[:, 4] > 0)]
 
 
 def write_data_yaml(out: Path, names: Iterable[str], train: str | Path, val: str | Path, root: str | Path) -> None:

@@ -40,8 +40,12 @@ from detscale.files import write_text
 log = logging.getLogger(__name__)
 
 POLICIES = ("fail", "quarantine")
-# Normalised coordinates may exceed [0, 1] by this much (rounding in label tools).
+# A box edge may pass the image border by this much without a note (rounding in label tools).
 TOLERANCE = 1e-3
+# How far cx, cy, w and h may lie outside [0, 1]: the reference trainer's bounds (Ultralytics 8.4
+# verify_image_label). A box within them whose edges pass the border is clipped to the image, as
+# that trainer's augmentation does; refusing it would train on fewer images than the reference.
+VALUE_BOUNDS = (-0.01, 1.01)
 # Examples per kind in the error summary and in the report.
 EXAMPLES = 3
 REPORT_EXAMPLES = 10
@@ -60,10 +64,12 @@ KINDS: dict[str, tuple[str, str]] = {
     "class_negative": ("error", "negative class id"),
     "class_out_of_range": ("error", "class id >= the number of names in data.yaml"),
     "box_nonpositive": ("error", "box with zero or negative width or height"),
-    "coord_out_of_range": ("error", f"box outside [0, 1] by more than {TOLERANCE:g}"),
+    "coord_out_of_range": ("error", f"cx, cy, w or h outside [{VALUE_BOUNDS[0]:g}, {VALUE_BOUNDS[1]:g}]"),
     "train_val_overlap": ("error", "training image with the same content as a validation image"),
     "duplicate_image": ("warning", "image with the same content as an earlier one of the split"),
-    "duplicate_box": ("warning", "the same box twice in one label file"),
+    "box_clipped": ("warning", "box reaching beyond the image: training and evaluation use its part inside"),
+    "box_outside": ("warning", "box wholly outside the image: left out of training and evaluation"),
+    "duplicate_box": ("warning", "the same box twice in one label file: used once"),
     "label_orphan": ("warning", "label file without an image"),
     "background": ("info", "image without labels (no label file, or an empty one): allowed"),
 }
@@ -267,15 +273,23 @@ def _check_line(
         out.append(Finding(split, name, line, "box_nonpositive", f"width {values[3]} and height {values[4]} "
                                                                  "must both be > 0"))
     else:
-        outside = [f"{label} = {v:g}" for label, v in (
-            ("cx", cx), ("cy", cy), ("w", w), ("h", h),
-            ("left edge cx-w/2", cx - w / 2), ("top edge cy-h/2", cy - h / 2),
-            ("right edge cx+w/2", cx + w / 2), ("bottom edge cy+h/2", cy + h / 2),
-        ) if not -TOLERANCE <= v <= 1 + TOLERANCE]
+        lo, hi = VALUE_BOUNDS
+        outside = [f"{label} = {v:g}" for label, v in (("cx", cx), ("cy", cy), ("w", w), ("h", h))
+                   if not lo <= v <= hi]
+        edges = (("left edge cx-w/2", cx - w / 2, "<"), ("top edge cy-h/2", cy - h / 2, "<"),
+                 ("right edge cx+w/2", cx + w / 2, ">"), ("bottom edge cy+h/2", cy + h / 2, ">"))
         if outside:
             out.append(Finding(split, name, line, "coord_out_of_range",
-                               f"{', '.join(outside)}: outside [0, 1] (normalised coordinates)"))
-    return out, (None if out else tuple(nums))
+                               f"{', '.join(outside)}: outside [{lo:g}, {hi:g}] (normalised coordinates)"))
+        elif cx + w / 2 <= 0 or cx - w / 2 >= 1 or cy + h / 2 <= 0 or cy - h / 2 >= 1:
+            out.append(Finding(split, name, line, "box_outside",
+                               "the box lies wholly outside the image: left out (the image is kept)"))
+        elif beyond := [f"{label} = {v:g}" for label, v, side in edges
+                        if (v < -TOLERANCE if side == "<" else v > 1 + TOLERANCE)]:
+            out.append(Finding(split, name, line, "box_clipped",
+                               f"{', '.join(beyond)}: beyond the image; training and evaluation clip the box to it"))
+    usable = not any(f.severity == "error" for f in out)
+    return out, (tuple(nums) if usable else None)
 
 
 def _is_float(text: str) -> bool:

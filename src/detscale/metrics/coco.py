@@ -11,7 +11,8 @@ Conventions of the converted ground truth:
 - ``width`` / ``height`` = the image as the loader sees it (EXIF orientation applied, as
   ``cv2.imread`` does), read from the file header only;
 - boxes ``[x, y, w, h]`` in original pixels, ``area = w * h`` (YOLO labels have no masks, so
-  COCO's small/medium/large split uses the box area), ``iscrowd = 0``;
+  COCO's small/medium/large split uses the box area), ``iscrowd = 0``; read as training reads
+  them (:func:`detscale.data.formats.read_labels`: clipped to the image, repeated lines once);
 - category ``id`` = YOLO class index, ``name`` from ``names``.
 
 Undefined metrics (COCOeval's ``-1``: an area range or class without ground truth) are written
@@ -47,6 +48,10 @@ SUMMARY_KEYS: dict[str, int] = {
     "map_large": 5,
     "ar100": 8,
 }
+
+# Written into the ground truth's "info"; a file of another version is rebuilt (2: boxes clipped to
+# the image and repeated label lines counted once, as training reads them).
+GT_VERSION = 2
 
 # EXIF orientations that swap width and height (rotations by 90 or 270 degrees).
 _EXIF_ORIENTATION_TAG = 0x0112
@@ -113,7 +118,8 @@ def coco_ground_truth(spec: DatasetSpec, split: str) -> dict[str, Any]:
             })
     categories = [{"id": i, "name": name, "supercategory": "object"} for i, name in enumerate(spec.names)]
     return {
-        "info": {"description": f"{spec.yaml_path} split {split}, converted from YOLO labels by detscale"},
+        "info": {"description": f"{spec.yaml_path} split {split}, converted from YOLO labels by detscale",
+                 "detscale_gt_version": GT_VERSION},
         "images": images,
         "annotations": annotations,
         "categories": categories,
@@ -130,16 +136,18 @@ def yolo_to_coco(spec: DatasetSpec, split: str, out_json: str | Path) -> Path:
 def ensure_coco_gt(spec: DatasetSpec, split: str, out_json: str | Path) -> Path:
     """Build the COCO ground truth once per dataset and split.
 
-    Reuses ``out_json`` when it is newer than the data.yaml and lists as many images as the
-    split; otherwise (re)builds it. Concurrent builders are safe: each writes a temporary file
-    and renames it, and all write the same content.
+    Reuses ``out_json`` when it is newer than the data.yaml, was written by this version of the
+    conversion (:data:`GT_VERSION`) and lists as many images as the split; otherwise (re)builds
+    it. Concurrent builders are safe: each writes a temporary file and renames it, and all write
+    the same content.
     """
     out_json = Path(out_json)
     if out_json.is_file() and out_json.stat().st_mtime >= spec.yaml_path.stat().st_mtime:
         try:
             with open(out_json) as f:
-                n_images = len(json.load(f)["images"])
-        except (json.JSONDecodeError, KeyError, TypeError):
+                gt = json.load(f)
+            n_images = len(gt["images"]) if gt["info"].get("detscale_gt_version") == GT_VERSION else -1
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             n_images = -1
         if n_images == len(spec.splits[split]):
             return out_json

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -90,6 +91,35 @@ def environment_note(envs: Mapping[str, Mapping[str, Any]]) -> str | None:
         return None
     return ("The runs' environments differ in " + ", ".join(differ) + " (see Environment): numbers of different "
             "software or hardware are compared; re-run the grid in one environment for a clean comparison.")
+
+
+def data_note(run_configs: Sequence[Mapping[str, Any]]) -> str | None:
+    """What dataset validation kept for training, from the ``validation.json`` beside each run's data.yaml
+    (the clean view): how many training images were dropped and why. A run trained on fewer images than
+    its dataset holds learns less per epoch than one that trains on all of them, another trainer included."""
+    from detscale.data.validate import DROPPED_KINDS, KINDS
+
+    dropping = {kind for kind, (severity, _) in KINDS.items() if severity == "error"} | DROPPED_KINDS
+    parts = []
+    for data_yaml in sorted({str(c.get("data_yaml")) for c in run_configs if c.get("data_yaml")}):
+        report = Path(data_yaml).parent / "validation.json"
+        try:
+            doc = json.loads(report.read_text())
+            train = doc["splits"]["train"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        text = (f"{data_yaml}: validation ({doc.get('policy')}) kept {train['kept']} of {train['images']} training "
+                "images")
+        if train["dropped"]:
+            errors = sorted((kind, n) for kind, n in doc.get("counts", {}).items() if n and kind in dropping)
+            text += (f"; the runs trained without the {train['dropped']} dropped ones ("
+                     + ", ".join(f"{kind}: {n}" for kind, n in errors) + f"; see {report}). A trainer that takes "
+                     "them trains on more images per epoch, so compare with it on the clean view")
+        clipped = doc.get("counts", {}).get("box_clipped", 0)
+        if clipped:
+            text += f"; {clipped} box(es) reaching beyond their image were clipped to it"
+        parts.append(text + ".")
+    return ("Data: " + " ".join(parts)) if parts else None
 
 
 def methods(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig) -> list[str]:
@@ -226,6 +256,9 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     crowded = contention_note(rows)
     if crowded:
         notes.append(crowded)
+    data = data_note([r.run_config for r in runs])
+    if data:
+        notes.append(data)
     comm = read_comm(comm_paths)
     projections, no_projection = projection.project_groups(rows, comm, cfg.projection)
     notes += [f"Experiment point {g}: no 1-GPU run; speed-ups are relative to {b} GPUs."
