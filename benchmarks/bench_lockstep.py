@@ -513,6 +513,10 @@ def late_gap(rows: list[dict[str, Any]], last: int = 5) -> float:
     return float(np.mean([r["loss_rel"] for r in rows[-last:]])) if rows else math.nan
 
 
+def pct(x: float) -> str:
+    return "no complete epoch to compare" if math.isnan(x) else f"{x:+.2%}"
+
+
 def report(work: Path, args: argparse.Namespace, data_yaml: Path, gt: Path, nc: int) -> str:
     names = [name for name in RUNS if name in args.runs]
     runs = {name: read_run(run_dir(work, name)) for name in names}
@@ -540,7 +544,7 @@ def report(work: Path, args: argparse.Namespace, data_yaml: Path, gt: Path, nc: 
                   f"The loops accumulate the same batches into each optimiser step up to step {until} "
                   f"({len(paired)} steps paired by their batches); first paired step whose loss differs by more "
                   f"than 1 %: {first_departure(paired, 0.01) or 'none'}. Mean loss B / A - 1 over the last 5 "
-                  f"complete epochs: {late_gap(epochs):+.2%} (floor: {late_gap(floor_epochs):+.2%}).", "",
+                  f"complete epochs: {pct(late_gap(epochs))} (floor: {pct(late_gap(floor_epochs))}).", "",
                   "| step | loss A | loss B | B/A - 1 | grad norm A | grad norm B | lr A | lr B | "
                   "weight distance / distance moved |", "|---|---|---|---|---|---|---|---|---|"]
         for r in paired:
