@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import detscale.engine.trainer as trainer
+from detscale.engine.checkpoint import CheckpointError, load_checkpoint
 from detscale.errors import EXIT_PREEMPTED
 from detscale.launch import pick_port, torchrun_command
 from helpers import tiny_dataset
@@ -130,13 +131,14 @@ def test_resume_refuses_another_config(tmp_path: Path, data_yaml: Path) -> None:
     cfg.write_text(CONFIG.format(data_yaml=data_yaml, gpus=1, batch=4, workers=0).replace("epochs: 3", "epochs: 1"))
     assert _train(cfg, tmp_path / "run", data_yaml) == 0
     cfg.write_text(cfg.read_text().replace("warmup_epochs: 1", "warmup_epochs: 2"))
-    with pytest.raises(trainer.ckpt_io.CheckpointError, match="another configuration"):
+    with pytest.raises(CheckpointError, match="another configuration"):
         _train(cfg, tmp_path / "run", data_yaml, resume=True)
 
 
 KILLER = """\
 import os, signal, sys
 import detscale.engine.trainer as trainer
+from detscale.engine.checkpoint import CheckpointError, load_checkpoint
 
 # Rank 1 of the first attempt dies with SIGKILL in its {kill_at}th batch (the middle of epoch 2).
 if os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
@@ -171,7 +173,7 @@ def test_rank_killed_mid_epoch_restarts_and_finishes(tmp_path: Path, data_yaml: 
     assert done.returncode == 0, done.stderr[-3000:]
     log = (out / "logs" / "rank0.log").read_text()
     assert "resuming from" in log and "torchrun restart" in log and "at epoch 2 step 0" in log
-    ckpt = trainer.ckpt_io.load_checkpoint(out / "weights" / "last.pt")
+    ckpt = load_checkpoint(out / "weights" / "last.pt")
     assert ckpt["epoch"] == 3 and ckpt["step"] == 0 and len(ckpt["rng"]) == 2
     assert not [p.name for p in (out / "weights").iterdir() if p.name != "last.pt"]  # no temporary files left
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

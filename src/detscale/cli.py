@@ -14,7 +14,7 @@ import logging
 import sys
 
 from detscale import __version__
-from detscale.errors import UserError
+from detscale.errors import EXIT_INTERRUPTED, UserError
 
 # name -> help line; the module is detscale.commands.<name with - as _>
 COMMANDS: dict[str, str] = {
@@ -73,4 +73,4 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         logging.getLogger("detscale").error("interrupted")
-        return 130
+        return EXIT_INTERRUPTED

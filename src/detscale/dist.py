@@ -128,12 +128,6 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    if is_dist():
-        tdist.all_reduce(tensor, op=tdist.ReduceOp.MAX)
-    return tensor
-
-
 def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's ``tensor`` stacked in rank order, ``[world, *shape]``; ``tensor[None]`` with one process."""
     if not is_dist():
@@ -260,3 +254,30 @@ def stall_error(exc: BaseException, timeout_s: float) -> StalledRankError | None
         "train.max_restarts allows). If it happens again, look at what stops that rank (a stopped or swapped-out "
         "process, a full disk, a dead node), or raise train.timeout_s for steps that are legitimately this slow"
     )
+
+
+def join_attempt_group(timeout_s: float) -> None:
+    """Under torchrun, join the process group through a store namespace of this restart attempt.
+
+    torchrun keeps one rendezvous store across restarts, and the process group's keys (gloo
+    peer addresses, the NCCL unique id) carry no attempt number: a restarted rank can read a
+    dead peer's address from the failed attempt and fail with "Connection refused". Prefixing
+    the store with ``TORCHELASTIC_RESTART_COUNT`` keeps the attempts apart. Outside torchrun (or
+    with one rank) this does nothing and :func:`detscale.dist.init_from_env` creates the group.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if attempt is None or world == 1 or tdist.is_initialized():
+        return
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    timeout = _dt.timedelta(seconds=timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it
+    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                           is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=True)
+    kwargs: dict[str, Any] = {"backend": "gloo", "store": tdist.PrefixStore(f"detscale/attempt{attempt}", store),
+                              "rank": rank, "world_size": world, "timeout": timeout}
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        kwargs.update(backend="nccl", device_id=device)
+    tdist.init_process_group(**kwargs)

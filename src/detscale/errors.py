@@ -13,3 +13,6 @@ class UserError(Exception):
 #: Exit code of a run stopped by SIGTERM after writing its checkpoint (sysexits EX_TEMPFAIL):
 #: "temporary failure, try again" -- rerunning resumes from weights/last.pt.
 EXIT_PREEMPTED = 75
+
+#: Exit code of a command interrupted by the user (Ctrl-C, SIGINT): 128 + 2, as a shell reports it.
+EXIT_INTERRUPTED = 130

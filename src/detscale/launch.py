@@ -48,7 +48,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from detscale.errors import EXIT_PREEMPTED, UserError
+from detscale.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
 from detscale.files import RESUME_FILES, STASH_ENV, restore_resume_files, stash_resume_files
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
     if signal.SIGTERM in received:
         return EXIT_PREEMPTED
     if signal.SIGINT in received:
-        return 130
+        return EXIT_INTERRUPTED
     return code
 
 

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from detscale.errors import EXIT_PREEMPTED, UserError
+from detscale.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ def run_agent(argv: Sequence[str]) -> int:
     if signal.SIGTERM in received:
         return EXIT_PREEMPTED
     if signal.SIGINT in received:
-        return 130
+        return EXIT_INTERRUPTED
     return code
 
 

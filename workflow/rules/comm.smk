@@ -5,10 +5,10 @@
 
 rule comm:
     input:
-        config="results/config.yaml",
+        config=EXPERIMENT_CONFIG,
         data=CLEAN_DATA_YAML,
     output:
-        f"{COMM_DIR}/{{model}}_{{imgsz}}_g{{gpus}}.json",
+        str(dslayout.comm_file("{model}", "{imgsz}", "{gpus}")),
     wildcard_constraints:
         model="|".join(re.escape(m) for m in sorted({p[0] for p in COMM_POINTS})) or "none",
         imgsz=r"\d+",
@@ -20,7 +20,7 @@ rule comm:
     conda:
         CONDA_ENV
     log:
-        "results/logs/comm/{model}_{imgsz}_g{gpus}.log",
+        f"{LOG_DIR}/comm/{{model}}_{{imgsz}}_g{{gpus}}.log",
     threads: lambda wildcards: int(wildcards.gpus) * CFG.train.cpu_threads_per_rank
     resources:
         gpu=lambda wildcards: int(wildcards.gpus),

@@ -6,6 +6,7 @@ import sys
 from detscale import config as dsconfig
 from detscale.commands import runs as dsruns
 from detscale import files as dsfiles
+from detscale import layout as dslayout
 
 # set_default=False: defaults are filled by detscale.config (a filled-in seeds: [0] would clash with a
 # deprecated grid.seed).
@@ -17,22 +18,26 @@ except dsconfig.ConfigError as exc:
     sys.exit(2)
 
 DATASET = CFG.dataset.name
-DATA_DIR = f"results/data/{DATASET}"
+# Every results/ path comes from detscale.layout, which the trainer's and commands' defaults share.
+DATA_DIR = str(dslayout.data_dir(DATASET))
 # The data.yaml every stage after validation reads: the clean view written by validate_dataset.
-CLEAN_DATA_YAML = f"{DATA_DIR}/data.yaml"
-CACHE_DIR = f"results/cache/{DATASET}"
+CLEAN_DATA_YAML = str(dslayout.clean_data_yaml(DATASET))
+CACHE_DIR = str(dslayout.cache_dir(DATASET))
 # The software of every rule (documentation, and used with --use-conda); relative to workflow/rules/.
 CONDA_ENV = "../../environment.yml"
 
 # The experiment grid: one training run per point, its id encoding the point
 # (model_imgsz_gGPUS_bBATCH_cache_precision_sSEED_rREPEAT, see detscale.config.RunPoint.run_id).
 RUNS = [point.run_id for point in CFG.runs()]
-RUN_DIR = "results/runs/{run}"
-REPORT_DIR = "results/report"
-COMM_DIR = "results/comm"
+RUN_DIR = str(dslayout.runs_dir() / "{run}")
+REPORT_DIR = str(dslayout.report_dir())
+COMM_DIR = str(dslayout.comm_dir())
+EXPERIMENT_CONFIG = str(dslayout.experiment_config())
+LOG_DIR = str(dslayout.logs_dir())
+BENCH_DIR = str(dslayout.benchmarks_dir())
 # (model, imgsz, gpus) of every single-node grid point with 2 or more ranks: one all-reduce benchmark each.
 COMM_POINTS = sorted({(p.model, p.imgsz, p.gpus) for p in CFG.runs() if p.gpus > 1 and p.nodes == 1})
-COMM_FILES = [f"{COMM_DIR}/{m}_{s}_g{g}.json" for m, s, g in COMM_POINTS]
+COMM_FILES = [str(dslayout.comm_file(m, s, g)) for m, s, g in COMM_POINTS]
 REPORT_PLOTS = [
     "throughput", "efficiency", "memory", "map", "step_time", "accuracy_pairs", "time_to_accuracy", "projection",
 ]

@@ -19,9 +19,9 @@ if CFG.dataset.synthetic is not None:
         conda:
             CONDA_ENV
         log:
-            f"results/logs/{DATASET}/synth.log",
+            f"{LOG_DIR}/{DATASET}/synth.log",
         benchmark:
-            f"results/benchmarks/{DATASET}/synth.tsv"
+            f"{BENCH_DIR}/{DATASET}/synth.tsv"
         threads: DATA_THREADS
         shell:
             "detscale synth --out {params.out} --seed {params.seed} --imgsz {params.imgsz}"
@@ -46,11 +46,11 @@ rule validate_dataset:
     conda:
         CONDA_ENV
     log:
-        main=f"results/logs/{DATASET}/validate.log",
+        main=f"{LOG_DIR}/{DATASET}/validate.log",
         # Written only when validation fails: Snakemake then deletes validation.md but keeps logs.
-        report=f"results/logs/{DATASET}/validation-failed.md",
+        report=f"{LOG_DIR}/{DATASET}/validation-failed.md",
     benchmark:
-        f"results/benchmarks/{DATASET}/validate.tsv"
+        f"{BENCH_DIR}/{DATASET}/validate.tsv"
     threads: DATA_THREADS
     shell:
         "detscale validate {input.data_yaml} --out {params.out} --on-error {params.on_error}"
@@ -73,9 +73,9 @@ rule cache_dataset:
     conda:
         CONDA_ENV
     log:
-        f"results/logs/{DATASET}/cache-{{split}}-{{imgsz}}.log",
+        f"{LOG_DIR}/{DATASET}/cache-{{split}}-{{imgsz}}.log",
     benchmark:
-        f"results/benchmarks/{DATASET}/cache-{{split}}-{{imgsz}}.tsv"
+        f"{BENCH_DIR}/{DATASET}/cache-{{split}}-{{imgsz}}.tsv"
     threads: DATA_THREADS
     resources:
         # A cache for one image size may be built while a run of another size trains: take the

@@ -7,7 +7,7 @@ rule eval_config:
     params:
         digest=run_config_digest("evaluate"),
     log:
-        "results/logs/runs/{run}/eval_config.log",
+        f"{LOG_DIR}/runs/{{run}}/eval_config.log",
     localrule: True
     run:
         dsfiles.write_text(dsruns.run_config_text(CFG, wildcards.run, "evaluate"), output[0])
@@ -26,9 +26,9 @@ rule evaluate:
     conda:
         CONDA_ENV
     log:
-        "results/logs/runs/{run}/evaluate.log",
+        f"{LOG_DIR}/runs/{{run}}/evaluate.log",
     benchmark:
-        "results/benchmarks/runs/{run}/evaluate.tsv"
+        f"{BENCH_DIR}/runs/{{run}}/evaluate.tsv"
     threads: CFG.placement.eval_threads
     resources:
         gpu=1,

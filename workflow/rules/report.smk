@@ -3,11 +3,11 @@
 
 rule experiment_config:
     output:
-        "results/config.yaml",
+        EXPERIMENT_CONFIG,
     params:
         digest=CFG.digest(),
     log:
-        "results/logs/experiment_config.log",
+        f"{LOG_DIR}/experiment_config.log",
     localrule: True
     run:
         dsfiles.write_text(dsruns.experiment_config_text(CFG), output[0])
@@ -15,7 +15,7 @@ rule experiment_config:
 
 rule report:
     input:
-        config="results/config.yaml",
+        config=EXPERIMENT_CONFIG,
         timing=run_files("timing.json"),
         evaluation=run_files("eval.json"),
         env=run_files("env.json"),
@@ -35,9 +35,9 @@ rule report:
     conda:
         CONDA_ENV
     log:
-        "results/logs/report.log",
+        f"{LOG_DIR}/report.log",
     benchmark:
-        "results/benchmarks/report.tsv"
+        f"{BENCH_DIR}/report.tsv"
     localrule: True
     shell:
         "detscale report --runs {params.runs} --config {input.config} --comm {input.comm} --out {params.out} > {log} 2>&1"

@@ -34,7 +34,7 @@ rule run_config:
     params:
         digest=run_config_digest("train"),
     log:
-        "results/logs/runs/{run}/run_config.log",
+        f"{LOG_DIR}/runs/{{run}}/run_config.log",
     localrule: True
     run:
         dsfiles.write_text(dsruns.run_config_text(CFG, wildcards.run, "train"), output[0])
@@ -59,9 +59,9 @@ rule train:
     conda:
         CONDA_ENV
     log:
-        "results/logs/runs/{run}/train.log",
+        f"{LOG_DIR}/runs/{{run}}/train.log",
     benchmark:
-        "results/benchmarks/runs/{run}/train.tsv"
+        f"{BENCH_DIR}/runs/{{run}}/train.tsv"
     threads: run_threads
     resources:
         gpu=run_gpus,
@@ -106,9 +106,9 @@ rule train_multinode:
     conda:
         CONDA_ENV
     log:
-        "results/logs/runs/{run}/train.log",
+        f"{LOG_DIR}/runs/{{run}}/train.log",
     benchmark:
-        "results/benchmarks/runs/{run}/train.tsv"
+        f"{BENCH_DIR}/runs/{{run}}/train.tsv"
     threads: run_threads_per_node
     resources:
         gpu=run_gpus,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from detscale import layout
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the usage lines of the docstring
@@ -28,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data", type=Path, default=None,
         help="clean data.yaml written by `detscale validate` (default: RESULTS/data/DATASET/data.yaml)",
     )
-    parser.add_argument("--results", type=Path, default=Path("results"), help="results root (default: results)")
+    parser.add_argument("--results", type=Path, default=layout.RESULTS, help="results root (default: %(default)s)")
     parser.add_argument("--split", default="val", choices=("val", "train"), help="split to evaluate (default: val)")
     parser.add_argument(
         "--gt", type=Path, default=None,
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config.load(args.config)
     point = cfg.run(args.run)
-    data_yaml = args.data or args.results / "data" / cfg.dataset.name / "data.yaml"
+    data_yaml = args.data or layout.clean_data_yaml(cfg.dataset.name, args.results)
     if not data_yaml.is_file():
         raise DatasetError(
             f"clean data.yaml {data_yaml} does not exist; run `detscale validate` for dataset "

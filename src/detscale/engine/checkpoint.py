@@ -1,4 +1,5 @@
-"""Reading checkpoints, and the RNG states that make resume exact.
+"""Checkpoints: building one from a rank's state, writing ``last.pt``, finding the one to resume
+from, restoring it, and the RNG states that make resume exact.
 
 Checkpoints are written by :func:`detscale.files.save_torch` (atomic: the old file or the new
 one, never half of one) and read by :func:`detscale.files.load_torch` (``weights_only=True``: a
@@ -8,15 +9,27 @@ only; the RNG states are stored as such (the previous format's numpy arrays stil
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from detscale import dist
+from detscale.engine.state import Parts, Progress, RunPaths
+from detscale.engine.timing import RankTiming
 from detscale.errors import UserError
-from detscale.files import UnsafeFileError, load_torch
+from detscale.files import UnsafeFileError, load_torch, refresh_resume_stash, save_torch
+
+if TYPE_CHECKING:
+    from detscale.config import RunPoint
+    from detscale.engine.semantics import TrainSemantics
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(UserError):
@@ -66,3 +79,72 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_dict(parts: Parts, progress: Progress, point: RunPoint, nc: int, digest: str,
+                    sem: TrainSemantics, timing: RankTiming) -> dict[str, Any] | None:
+    """The checkpoint of the run now (collective: gathers every rank's RNG and timing; ``None`` off rank 0)."""
+    rng = dist.all_gather_object(capture_rng())
+    timings = dist.all_gather_object(timing.state_dict())
+    if not dist.is_main():
+        return None
+    return {
+        "model": parts.raw.state_dict(),
+        "ema": parts.ema.state_dict(),
+        "ema_updates": parts.ema.updates,
+        "optimizer": parts.optimizer.state_dict(),
+        "scaler": parts.scaler.state_dict(),
+        "scheduler": parts.scheduler.state_dict(),
+        "epoch": progress.epoch,
+        "step": progress.step,
+        "progress": asdict(progress),
+        "rng": rng,
+        "timing": timings,
+        "model_name": point.model,
+        "nc": nc,
+        "imgsz": point.imgsz,
+        "config_digest": digest,
+        "world_size": sem.world_size,
+        "semantics": sem.to_dict(),
+    }
+
+
+def restore(parts: Parts, ckpt: dict[str, Any], rank: int, timing: RankTiming) -> Progress:
+    """Load a checkpoint into this rank's parts and RNG; returns where to continue."""
+    parts.raw.load_state_dict(ckpt["model"])
+    parts.ema.load_state_dict(ckpt["ema"], ckpt["ema_updates"])
+    parts.optimizer.load_state_dict(ckpt["optimizer"])
+    parts.scaler.load_state_dict(ckpt["scaler"])
+    parts.scheduler.load_state_dict(ckpt["scheduler"])
+    restore_rng(ckpt["rng"][rank])
+    saved = RankTiming.from_state(ckpt["timing"][rank])
+    for name, value in asdict(saved).items():
+        setattr(timing, name, value)
+    return Progress(**ckpt["progress"])
+
+
+def find_resume_checkpoint(paths: RunPaths, resume: bool, digest: str, world_size: int) -> dict[str, Any] | None:
+    """``last.pt`` to continue from, when resuming (asked, or a torchrun restart) and it exists."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if not (resume or restart) or not paths.last.is_file():
+        if resume and not paths.last.is_file():
+            log.info("--resume: no %s yet, starting the run from the beginning", paths.last)
+        return None
+    ckpt = load_checkpoint(paths.last)
+    if ckpt.get("config_digest") != digest:
+        raise CheckpointError(
+            f"{paths.last} was written for another configuration (digest {ckpt.get('config_digest')}, now "
+            f"{digest}); delete {paths.out} to start this run again, or restore the original config"
+        )
+    if ckpt.get("world_size") != world_size:
+        raise CheckpointError(f"{paths.last} was written by {ckpt.get('world_size')} ranks, not {world_size}")
+    # 1-based, as the "stopped by a signal at epoch E step S" warning that precedes a resume prints it.
+    log.info("resuming from %s at epoch %d step %d%s", paths.last, ckpt["epoch"] + 1, ckpt["step"],
+             " (torchrun restart)" if restart else "")
+    return ckpt
+
+
+def save_last(save: dict[str, Any], paths: RunPaths, digest: str) -> None:
+    """Write ``last.pt`` atomically and bring the launcher's resume stash up to it (when there is one)."""
+    save_torch(save, paths.last)
+    refresh_resume_stash(paths.out, digest)

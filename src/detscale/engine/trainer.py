@@ -35,15 +35,13 @@ Rerunning the same command resumes mid-epoch exactly.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +49,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from detscale import config, dist
+from detscale import config, dist, layout
 from detscale.config import ExperimentConfig, RunPoint, TrainConfig
-from detscale.engine import checkpoint as ckpt_io
 from detscale.engine.buffers import SequentialBufferMerge
+from detscale.engine.checkpoint import checkpoint_dict, find_resume_checkpoint, restore, save_last
+from detscale.engine.ddp import CommProbe, wrap_ddp
 from detscale.engine.ema import ModelEMA
 from detscale.engine.optim import (
     apply_warmup,
@@ -65,10 +64,11 @@ from detscale.engine.optim import (
     warmup_iterations,
 )
 from detscale.engine.semantics import TrainSemantics, config_digest, derive_semantics
+from detscale.engine.state import Parts, Progress, RunPaths
+from detscale.engine.stopflag import StopFlag
 from detscale.engine.timing import RankTiming, StepTimer, peak_memory, timing_report
 from detscale.errors import EXIT_PREEMPTED, UserError
-from detscale.files import refresh_resume_stash, save_torch
-from detscale.files import write_json as write_json_file
+from detscale.files import save_torch, write_json
 
 log = logging.getLogger(__name__)
 
@@ -90,114 +90,6 @@ class TrainRequest:
     resume: bool = False
     data_yaml: Path | None = None
     cache_dir: Path | None = None
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    out: Path
-
-    @property
-    def weights(self) -> Path:
-        return self.out / "weights"
-
-    @property
-    def last(self) -> Path:
-        return self.weights / "last.pt"
-
-    @property
-    def best(self) -> Path:
-        return self.weights / "best.pt"
-
-    @property
-    def metrics(self) -> Path:
-        return self.out / "metrics.jsonl"
-
-    def log_file(self, rank: int) -> Path:
-        return self.out / "logs" / f"rank{rank}.log"
-
-
-@dataclass
-class Parts:
-    """The objects one rank trains with (``model`` is the DDP wrapper, ``raw`` the module inside)."""
-
-    model: nn.Module
-    raw: nn.Module
-    ema: ModelEMA
-    optimizer: torch.optim.SGD
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    scaler: torch.amp.GradScaler
-    loss_fn: Any
-    amp_dtype: torch.dtype | None
-    buffers: SequentialBufferMerge | None  # N ranks without SyncBN: BatchNorm statistics merged per batch
-    comm_probe: CommProbe | None = None  # N ranks with the step breakdown: tells the timer when buckets go
-
-
-@dataclass
-class Progress:
-    """Where the run is: completed epochs, batches done in the current epoch, best mAP so far."""
-
-    epoch: int = 0
-    step: int = 0
-    best_map: float | None = None
-    epoch_seconds_done: float = 0.0  # of the current, unfinished epoch (mid-epoch resume)
-    loss_sum: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
-
-
-# ---------------------------------------------------------------------------------------------
-# Preemption
-# ---------------------------------------------------------------------------------------------
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT; :meth:`agreed` is the all-ranks decision (collective: call on every rank).
-
-    With several ranks the flags are combined by an all-reduce that runs in the background, on a
-    gloo group of its own (CPU tensors: no device synchronisation): :meth:`agreed` returns the
-    result of the all-reduce started at the previous call and starts the next, so the ranks stop
-    together one optimiser step after the signal, and no step waits for the vote.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-        self._group: Any = None
-        self._vote: torch.Tensor | None = None
-        self._work: Any = None
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-        self.close()
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        self.requested = True
-        log.warning("signal %d received: stopping at the next optimiser step and saving last.pt", signum)
-
-    def agreed(self, device: torch.device) -> bool:
-        if dist.get_world_size() == 1:
-            return self.requested
-        import torch.distributed as tdist
-
-        if self._group is None:
-            self._group = tdist.new_group(backend="gloo")
-        stop = False
-        if self._work is not None and self._vote is not None:
-            self._work.wait()
-            stop = bool(self._vote.item() > 0)
-        self._vote = torch.tensor([1.0 if self.requested else 0.0])
-        self._work = tdist.all_reduce(self._vote, op=tdist.ReduceOp.MAX, group=self._group, async_op=True)
-        return stop
-
-    def close(self) -> None:
-        """Finish the vote in flight (before the process group goes)."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,39 +264,6 @@ def validate(
 # ---------------------------------------------------------------------------------------------
 
 
-def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
-    """The model in DDP as the trainer runs it (the all-reduce benchmark wraps it the same way).
-
-    Buffers are merged after every batch (SequentialBufferMerge), not broadcast per forward
-    (torch >= 2.12 renames ``broadcast_buffers`` to ``forward_sync_buffers``).
-    """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    params = inspect.signature(DDP.__init__).parameters
-    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-               **no_sync)
-
-
-class CommProbe:
-    """DDP communication hook state: the default all-reduce, and a call to ``on_ready`` per bucket.
-
-    The hook runs when a gradient bucket is complete and handed to the all-reduce; the last call
-    of a backward marks the end of its gradient computation (:class:`~detscale.engine.timing.StepTimer`).
-    """
-
-    def __init__(self) -> None:
-        self.on_ready: Any = None
-
-    @staticmethod
-    def hook(probe, bucket):  # no annotations: DDP checks them, and this module's are strings
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        if probe.on_ready is not None:
-            probe.on_ready()
-        return allreduce_hook(None, bucket)  # what DDP does without a hook: divide by the ranks, all-reduce
-
-
 def rank_seed(seed: int, rank: int) -> int:
     """A 32-bit seed per rank derived from the run's one seed."""
     return int(np.random.SeedSequence([seed, rank, 0x5EED]).generate_state(1)[0])
@@ -482,86 +341,8 @@ def build_loaders(point: RunPoint, cfg: ExperimentConfig, data_yaml: Path, cache
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------
-
-
-def checkpoint_dict(parts: Parts, progress: Progress, point: RunPoint, nc: int, digest: str,
-                    sem: TrainSemantics, timing: RankTiming) -> dict[str, Any] | None:
-    """The checkpoint of the run now (collective: gathers every rank's RNG and timing; ``None`` off rank 0)."""
-    rng = dist.all_gather_object(ckpt_io.capture_rng())
-    timings = dist.all_gather_object(timing.state_dict())
-    if not dist.is_main():
-        return None
-    return {
-        "model": parts.raw.state_dict(),
-        "ema": parts.ema.state_dict(),
-        "ema_updates": parts.ema.updates,
-        "optimizer": parts.optimizer.state_dict(),
-        "scaler": parts.scaler.state_dict(),
-        "scheduler": parts.scheduler.state_dict(),
-        "epoch": progress.epoch,
-        "step": progress.step,
-        "progress": asdict(progress),
-        "rng": rng,
-        "timing": timings,
-        "model_name": point.model,
-        "nc": nc,
-        "imgsz": point.imgsz,
-        "config_digest": digest,
-        "world_size": sem.world_size,
-        "semantics": sem.to_dict(),
-    }
-
-
-def restore(parts: Parts, ckpt: dict[str, Any], rank: int, timing: RankTiming) -> Progress:
-    """Load a checkpoint into this rank's parts and RNG; returns where to continue."""
-    parts.raw.load_state_dict(ckpt["model"])
-    parts.ema.load_state_dict(ckpt["ema"], ckpt["ema_updates"])
-    parts.optimizer.load_state_dict(ckpt["optimizer"])
-    parts.scaler.load_state_dict(ckpt["scaler"])
-    parts.scheduler.load_state_dict(ckpt["scheduler"])
-    ckpt_io.restore_rng(ckpt["rng"][rank])
-    saved = RankTiming.from_state(ckpt["timing"][rank])
-    for name, value in asdict(saved).items():
-        setattr(timing, name, value)
-    return Progress(**ckpt["progress"])
-
-
-def find_resume_checkpoint(paths: RunPaths, resume: bool, digest: str, world_size: int) -> dict[str, Any] | None:
-    """``last.pt`` to continue from, when resuming (asked, or a torchrun restart) and it exists."""
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    if not (resume or restart) or not paths.last.is_file():
-        if resume and not paths.last.is_file():
-            log.info("--resume: no %s yet, starting the run from the beginning", paths.last)
-        return None
-    ckpt = ckpt_io.load_checkpoint(paths.last)
-    if ckpt.get("config_digest") != digest:
-        raise ckpt_io.CheckpointError(
-            f"{paths.last} was written for another configuration (digest {ckpt.get('config_digest')}, now "
-            f"{digest}); delete {paths.out} to start this run again, or restore the original config"
-        )
-    if ckpt.get("world_size") != world_size:
-        raise ckpt_io.CheckpointError(f"{paths.last} was written by {ckpt.get('world_size')} ranks, not {world_size}")
-    # 1-based, as the "stopped by a signal at epoch E step S" warning that precedes a resume prints it.
-    log.info("resuming from %s at epoch %d step %d%s", paths.last, ckpt["epoch"] + 1, ckpt["step"],
-             " (torchrun restart)" if restart else "")
-    return ckpt
-
-
-# ---------------------------------------------------------------------------------------------
 # Files of rank 0
 # ---------------------------------------------------------------------------------------------
-
-
-def save_last(save: dict[str, Any], paths: RunPaths, digest: str) -> None:
-    """Write ``last.pt`` atomically and bring the launcher's resume stash up to it (when there is one)."""
-    save_torch(save, paths.last)
-    refresh_resume_stash(paths.out, digest)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    write_json_file(obj, path, indent=2)
 
 
 def append_metrics(path: Path, row: dict[str, Any]) -> None:
@@ -607,7 +388,7 @@ def rank_logging(paths: RunPaths, rank: int) -> Iterator[None]:
 
 def default_data_yaml(cfg: ExperimentConfig) -> Path:
     """The clean view written by validation (results/data/NAME/data.yaml), else the dataset's own."""
-    clean = Path("results") / "data" / cfg.dataset.name / "data.yaml"
+    clean = layout.clean_data_yaml(cfg.dataset.name)
     return clean if clean.is_file() else cfg.dataset.resolved_data_yaml()
 
 
@@ -633,43 +414,12 @@ def summary_text(point: RunPoint, sem: TrainSemantics, report: dict[str, Any], b
 # ---------------------------------------------------------------------------------------------
 
 
-def join_attempt_group(timeout_s: float) -> None:
-    """Under torchrun, join the process group through a store namespace of this restart attempt.
-
-    torchrun keeps one rendezvous store across restarts, and the process group's keys (gloo
-    peer addresses, the NCCL unique id) carry no attempt number: a restarted rank can read a
-    dead peer's address from the failed attempt and fail with "Connection refused". Prefixing
-    the store with ``TORCHELASTIC_RESTART_COUNT`` keeps the attempts apart. Outside torchrun (or
-    with one rank) this does nothing and :func:`detscale.dist.init_from_env` creates the group.
-    """
-    import datetime as _dt
-
-    import torch.distributed as tdist
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if attempt is None or world == 1 or tdist.is_initialized():
-        return
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    timeout = _dt.timedelta(seconds=timeout_s)
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it
-    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                           is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=True)
-    kwargs: dict[str, Any] = {"backend": "gloo", "store": tdist.PrefixStore(f"detscale/attempt{attempt}", store),
-                              "rank": rank, "world_size": world, "timeout": timeout}
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        kwargs.update(backend="nccl", device_id=device)
-    tdist.init_process_group(**kwargs)
-
-
 def train(req: TrainRequest) -> int:
     """Train one run on this rank (every rank calls it); returns the process exit code."""
     cfg = config.load(req.config_path)
     point = cfg.run(req.run_id)
     threads = int(os.environ.get("OMP_NUM_THREADS") or cfg.train.cpu_threads_per_rank)
-    join_attempt_group(cfg.train.timeout_s)
+    dist.join_attempt_group(cfg.train.timeout_s)
     with dist.process_group(cfg.train.timeout_s, cpu_threads=threads) as info:
         paths = RunPaths(Path(req.out_dir))
         with rank_logging(paths, info.rank):
@@ -684,7 +434,7 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
     sem = derive_semantics(cfg, point, info.world_size, info.device.type)
     digest = config_digest(cfg, point)
     data_yaml = Path(req.data_yaml) if req.data_yaml else default_data_yaml(cfg)
-    cache_dir = Path(req.cache_dir) if req.cache_dir else Path("results") / "cache" / cfg.dataset.name
+    cache_dir = Path(req.cache_dir) if req.cache_dir else layout.cache_dir(cfg.dataset.name)
     spec = load_spec(data_yaml, splits=("val",) if cfg.train.val_interval > 0 else ())
     if info.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -719,7 +469,7 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
     hosts = dist.all_gather_object(os.uname().nodename)
     if info.is_main:
         env["rank_hosts"] = hosts
-        write_json(paths.out / "env.json", env)
+        write_json(env, paths.out / "env.json", indent=2)
 
     # Wall-clock span of this attempt, so the report can check whether timed runs overlapped.
     started_at = time.time()
@@ -747,7 +497,7 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
         if report["measured_steps"] == 0:
             log.warning("no steady-state steps measured: every epoch has at most %d steps, all warm-up "
                         "(train.timing_warmup_steps); throughput is reported as 0", cfg.train.timing_warmup_steps)
-        write_json(paths.out / "timing.json", report)
+        write_json(report, paths.out / "timing.json", indent=2)
         log.info("%s", summary_text(point, sem, report, progress.best_map))
     dist.barrier()
     return 0
