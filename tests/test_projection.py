@@ -57,6 +57,12 @@ def test_cpu_roofline_binds_when_ranks_and_loaders_want_more_cores_than_the_node
     # (on CPU ranks the all-reduce is CPU work too)
     assert four.cpu_bound and four.compute_s == pytest.approx(4 * (0.09 + 0.04 + LINK.allreduce_s(10**6, 4)) / 2)
     assert four.step_s == pytest.approx(four.compute_s)
+    # the contention probe on 4 ranks of 2 cores measured x2.4: x2 of it is waiting for a core, which the
+    # roofline counts itself, so the ranks' CPU seconds grow by x1.2 only
+    crowded = project(b, [10**6], 4, 1, LINK, LINK, contention=2.4)
+    assert crowded.compute_s == pytest.approx(4 * (0.09 * 1.2 + 0.04 + LINK.allreduce_s(10**6, 4)) / 2)
+    assert project(base(cores=8, loader_s_per_image=0.005), [10**6], 4, 1, LINK, LINK, contention=1.2).compute_s \
+        == pytest.approx(0.1 * 1.2)  # enough cores: the probe's slowdown is all contention, and the roofline is off
     # strong scaling: the global batch is split, the per-rank work shrinks with it
     strong = project(base(scaling="strong", cores=64), [10**6], 4, 1, LINK, LINK)
     assert strong.compute_s == pytest.approx(0.1 * 2 / 8) and strong.images_per_s == pytest.approx(
@@ -126,8 +132,15 @@ def test_report_shows_communication_projection_and_its_error(tmp_path: Path):
     # predicted at 2 ranks: the CPU roofline binds, 2 x (90 + 2 x 8 + the all-reduce, CPU work here) / 2 cores
     fabric = Fabric("m", 1e-4, 1e9, "")
     predicted = 16 / (0.106 + fabric.allreduce_s(4 * 10**6, 2) + fabric.allreduce_s(2 * 10**6, 2))
-    assert f"| 2 | 120.0 | {predicted:.1f} | {(predicted - 120) / 120:+.1%} |" in md
-    assert "| 1 | 80.0 | 80.0 | +0.0% |" in md
+    # without spreads (one 1-GPU run, a one-round probe) the interval is the all-reduce's p10..p90 alone
+    slow = 16 / (0.106 + (8.0 / 6.5) * (fabric.allreduce_s(4 * 10**6, 2) + fabric.allreduce_s(2 * 10**6, 2)))
+    fast = 16 / (0.106 + (6.0 / 6.5) * (fabric.allreduce_s(4 * 10**6, 2) + fabric.allreduce_s(2 * 10**6, 2)))
+    # the 2-GPU run's breakdown misses the projection most in its exposed communication (15 ms measured; the
+    # model hides most of it behind the backward)
+    assert (f"| 2 | 120.0 | {predicted:.1f} ({slow:.1f}–{fast:.1f}) | "
+            f"{(predicted - 120) / 120:+.1%} | **no** | exposed communication: 15.0 ms measured, 2.1 ms projected "
+            "(the projection is bound by the CPU roofline here) |") in md
+    assert "| 1 | 80.0 | 80.0 (80.0–80.0) | +0.0% | yes | — |" in md
     page = files.html.read_text()
     assert "Scaling projection" in page and "ib200" in page and "IBTA" in page
     assert files.plots["projection"].read_bytes()[:4] == b"\x89PNG"
@@ -160,3 +173,48 @@ def test_projection_fabrics_are_checked_by_name():
                                                                       "source": "our own nccl-tests run"}},
                          "inter_node": "mine"}
     assert dsconfig.from_dict(raw).projection.fabrics["mine"]["busbw_GBps"] == 100
+
+
+def test_the_interval_carries_every_input_spread_and_a_miss_names_its_term():
+    """A point inside the spread of its inputs is a hit; outside, the step term that misses most is named."""
+    from detscale.report.projection import check_point
+
+    b = Baseline(step_s=0.1, backward_s=0.04, forward_s=0.03, optimizer_s=0.015, batch=8, cpu_s=None,
+                 loader_s_per_image=0.0, cores=2, device="cuda", scaling="weak", step_spread=(0.95, 1.05))
+    comm = comm_result()
+    row = {"gpus": 2, "nodes": 1, "device": "cuda", "images_per_s": 150.0, "forward_ms": 33.0, "backward_ms": 44.0,
+           "comm_ms": 1.0, "optimizer_ms": 16.5, "step_ms": 16 / 150 * 1000}
+    k = check_point(b, [6 * 10**6], 2, [row], comm, LINK, 1.1, (1.05, 1.2))
+    # the ends: every input at the same end of its spread
+    fabric = Fabric("m", 1e-4, 1e9, "")
+    hi = project(b.scaled(0.95), [6 * 10**6], 2, 1, Fabric("", 1e-4 * 6 / 6.5, 1e9 * 6.5 / 6, ""), LINK, 1.05)
+    lo = project(b.scaled(1.05), [6 * 10**6], 2, 1, Fabric("", 1e-4 * 8 / 6.5, 1e9 * 6.5 / 8, ""), LINK, 1.2)
+    assert k.high == pytest.approx(hi.images_per_s) and k.low == pytest.approx(lo.images_per_s)
+    assert k.projected == pytest.approx(project(b, [6 * 10**6], 2, 1, fabric, LINK, 1.1).images_per_s)
+    assert k.low < k.projected < k.high
+    # 150 img/s: 9 % faster than projected, inside the interval (119.8..151.8): a hit, nothing named
+    assert k.inside and k.off_term() == "" and k.error == pytest.approx(k.projected / 150 - 1)
+    assert not k.oversubscribed
+    cpu_row = dict(row, device="cpu", threads_per_rank=2, cpu_cores=2)
+    assert check_point(b, [6 * 10**6], 2, [cpu_row], comm, LINK, 1.1, (1.05, 1.2)).oversubscribed
+    # twice the communication the model expects and a slower step: outside, and communication is named
+    slow_row = dict(row, comm_ms=60.0, step_ms=170.0, images_per_s=16 / 0.170)
+    miss = check_point(b, [6 * 10**6], 2, [slow_row], comm, LINK, 1.1, (1.05, 1.2))
+    assert not miss.inside and miss.off_term().startswith("exposed communication: 60.0 ms measured")
+    # a slower forward+backward than the probe's contention: the compute term is named
+    crowded = dict(row, forward_ms=50.0, backward_ms=70.0, step_ms=150.0, images_per_s=16 / 0.150)
+    assert check_point(b, [6 * 10**6], 2, [crowded], comm, LINK, 1.1, (1.05, 1.2)).off_term().startswith(
+        "compute under contention (forward + backward): 120.0 ms measured, 77.0 ms projected")
+    no_breakdown = {k: v for k, v in slow_row.items() if not k.endswith("_ms")}
+    assert "train.step_breakdown" in check_point(b, [6 * 10**6], 2, [no_breakdown], comm, LINK, 1.1,
+                                                  (1.05, 1.2)).off_term()
+
+
+def test_the_contention_range_comes_from_the_probe_rounds():
+    from detscale.report.projection import contention_range_by_ranks, contention_range_for
+
+    probe = dict(comm_result(), contention={"factor": 1.1, "factor_min": 1.02, "factor_max": 1.3})
+    old = dict(comm_result(4), contention={"factor": 1.2})  # a one-round probe of an older version
+    ranges = contention_range_by_ranks([probe, old])
+    assert ranges == {2: (1.02, 1.3), 4: (1.2, 1.2)}
+    assert contention_range_for(ranges, 1) == (1.0, 1.0) and contention_range_for(ranges, 3) == (1.02, 1.3)

@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "comm": "time the all-reduce of a model's gradient on N ranks (run it under `detscale launch`)",
     "evaluate": "COCO mAP of a trained run",
     "report": "scaling tables, plots and index.html from finished runs",
+    "compare": "line up two results folders run by run and say which differences exceed their stated spread",
     "runs": "list the run ids of a config's grid",
     "slurm": "Slurm: `detscale slurm check` compares every job's ask with its partition, submitting nothing",
 }

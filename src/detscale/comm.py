@@ -8,9 +8,10 @@ gives the two constants of the alpha-beta model the scaling projection uses,
 ``t(S) = latency + S * 2 (n - 1) / n / busbw``, fitted by least squares.
 
 A contention probe times the model's forward and backward on one rank alone (the others wait)
-and on every rank at once: the ratio is how much a rank's own work slows when all ranks of the
-node compute together (shared caches and memory bandwidth of CPU ranks, the host side of the
-cards), the projection's ``contention`` factor.
+and on every rank at once, in interleaved rounds: the median ratio is how much a rank's own work
+slows when all ranks of the node compute together (shared caches and memory bandwidth of CPU
+ranks, the host side of the cards), the projection's ``contention`` factor; the lowest and
+highest round are its spread.
 
 Figures follow nccl-tests' definitions for all-reduce: algorithm bandwidth ``algbw = S / t``
 and bus bandwidth ``busbw = algbw * 2 (n - 1) / n`` (what each link carries in a ring, so it is
@@ -76,7 +77,7 @@ def _model_and_batch(model_name: str, nc: int, imgsz: int, channels_last: bool, 
 
 def ddp_bucket_bytes(model_name: str, nc: int, imgsz: int, channels_last: bool, device: torch.device) -> list[int]:
     """The sizes of the gradient buckets DDP settles on for the model, after one training batch."""
-    from detscale.engine.trainer import wrap_ddp
+    from detscale.engine.ddp import wrap_ddp
     from detscale.loss import DetectionLoss
 
     model, x, targets = _model_and_batch(model_name, nc, imgsz, channels_last, device, 2)
@@ -91,36 +92,51 @@ def ddp_bucket_bytes(model_name: str, nc: int, imgsz: int, channels_last: bool, 
 
 
 def contention_probe(model_name: str, nc: int, imgsz: int, channels_last: bool, device: torch.device, batch: int,
-                     steps: int = 6, warmup: int = 2) -> dict[str, float]:
-    """Median forward+backward seconds of a batch on rank 0 alone and on all ranks at once, and their ratio."""
+                     steps: int = 3, warmup: int = 2, rounds: int = 5) -> dict[str, Any]:
+    """How much a rank's forward+backward slows with every rank of the node busy, over ``rounds`` rounds.
+
+    Each round times ``steps`` batches on rank 0 alone (the others wait: the idle baseline) and then
+    on every rank at once; its factor is together / alone. Interleaving the two makes a burst of
+    load from outside hit one round, not the whole baseline or the whole busy side: the median
+    factor over the rounds is the projection's contention, and the lowest and highest round its
+    spread, which the report carries into the projected img/s as an interval.
+    """
     from detscale.loss import DetectionLoss
 
     model, x, targets = _model_and_batch(model_name, nc, imgsz, channels_last, device, batch)
     criterion = DetectionLoss(model)
 
-    def timed() -> list[float]:
+    def timed(n: int) -> list[float]:
         times = []
-        for k in range(warmup + steps):
+        for _ in range(n):
             _sync(device)
             t0 = time.perf_counter()
             loss, _ = criterion(model(x), targets)
             loss.backward()
             model.zero_grad(set_to_none=True)
             _sync(device)
-            if k >= warmup:
-                times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
         return times
 
-    dist.barrier()
-    alone = timed() if dist.get_rank() == 0 else []
-    dist.barrier()
-    together = timed()
-    dist.barrier()
-    alone_s = statistics.median(dist.all_gather_object(alone)[0])
-    # every rank's median, then the slowest rank: a step waits for the slowest
-    together_s = max(statistics.median(ts) for ts in dist.all_gather_object(together))
-    return {"batch": batch, "steps": steps, "alone_ms": 1000 * alone_s, "together_ms": 1000 * together_s,
-            "factor": together_s / alone_s}
+    timed(warmup)  # every rank, untimed: allocator, kernels and caches warm
+    alone_rounds, together_rounds, factors = [], [], []
+    for _ in range(rounds):
+        dist.barrier()
+        alone = timed(steps) if dist.get_rank() == 0 else []
+        dist.barrier()
+        together = timed(steps)
+        dist.barrier()
+        alone_s = statistics.median(dist.all_gather_object(alone)[0])
+        # every rank's median, then the slowest rank: a step waits for the slowest
+        together_s = max(statistics.median(ts) for ts in dist.all_gather_object(together))
+        alone_rounds.append(alone_s)
+        together_rounds.append(together_s)
+        factors.append(together_s / alone_s)
+    return {"batch": batch, "steps": steps, "rounds": rounds,
+            "alone_ms": 1000 * statistics.median(alone_rounds),
+            "together_ms": 1000 * statistics.median(together_rounds),
+            "factor": statistics.median(factors), "factor_min": min(factors), "factor_max": max(factors),
+            "factor_rounds": factors}
 
 
 def fit_alpha_beta(sizes: list[int], seconds: list[float], world: int) -> tuple[float, float]:

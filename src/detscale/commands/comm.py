@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{result['device']} ranks ({result['backend']}): {result['time_ms']:.2f} ms median over "
                   f"{result['iters']} rounds, algbw {result['algbw_GBps']:.2f} GB/s, busbw {result['busbw_GBps']:.2f} "
                   f"GB/s; fit: latency {result['fit']['latency_us']:.0f} us, busbw {result['fit']['busbw_GBps']:.2f} "
-                  f"GB/s; contention: a rank's forward+backward x{result['contention']['factor']:.3f} with all "
-                  f"{info.world_size} ranks busy -> {args.out}")
+                  f"GB/s; contention: a rank's forward+backward x{result['contention']['factor']:.3f} "
+                  f"(x{result['contention']['factor_min']:.3f}-x{result['contention']['factor_max']:.3f} over "
+                  f"{result['contention']['rounds']} rounds) with all {info.world_size} ranks busy -> {args.out}")
     return 0

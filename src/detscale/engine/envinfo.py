@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -62,6 +63,74 @@ def _library_versions() -> dict[str, str | None]:
     return versions
 
 
+# CPU features that change which kernels torch, oneDNN and MKL pick, and so the rounding of a run's
+# float sums: two CPUs that differ in one of these train the same seed along different paths.
+ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+             "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
+# Environment variables that override those choices. Not the thread-count variables: Snakemake
+# exports OMP/MKL_NUM_THREADS as a job's `threads` (1 for a 1-rank job, 2 for a 2-rank one), and the
+# trainer sets torch's threads itself, which env.json records as ``torch_threads``.
+NUMERIC_ENV_VARS = ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR",
+                    "MKL_ENABLE_INSTRUCTIONS", "CUBLAS_WORKSPACE_CONFIG")
+
+
+def _cpu_isa() -> str | None:
+    """The :data:`ISA_FLAGS` the CPU has (``flags`` on x86, ``Features`` on Arm in /proc/cpuinfo)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip().lower()
+            if key in ("flags", "features"):
+                have = set(line.split(":", 1)[1].split())
+                return " ".join(f for f in ISA_FLAGS if f in have)
+    except OSError:
+        pass
+    return None
+
+
+def _torch_build() -> dict[str, str | None]:
+    """BLAS, MKL and oneDNN builds of this torch, from ``torch.__config__.show()``."""
+    try:
+        text = torch.__config__.show()
+    except Exception:  # a torch built without the config report
+        return {"blas": None, "mkl": None, "onednn": None}
+    mkl = re.search(r"Math Kernel Library Version (\S+)", text)
+    onednn = re.search(r"MKL-DNN (v[\d.]+)", text)
+    blas = re.search(r"BLAS_INFO=([^,\s]+)", text)
+    return {"blas": blas.group(1) if blas else None, "mkl": mkl.group(1) if mkl else None,
+            "onednn": onednn.group(1) if onednn else None}
+
+
+def numerics() -> dict[str, Any]:
+    """What makes two machines compute the same run differently: the SIMD level torch dispatches to,
+    the CPU's instruction-set flags, the BLAS/oneDNN builds, thread counts, precision switches and the
+    environment variables that override them. Same seed and same torch still give different float
+    sums when one of these differs; the report names the ones that do."""
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # torch < 2.1 has no dispatch report
+        capability = None
+    return {
+        "cpu_capability": capability,
+        "cpu_isa": _cpu_isa(),
+        **_torch_build(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "mkldnn_enabled": bool(torch.backends.mkldnn.enabled),
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "numeric_env": {k: os.environ[k] for k in NUMERIC_ENV_VARS if k in os.environ},
+    }
+
+
+# The env.json keys that change the arithmetic of a run (its float results), not only its speed.
+NUMERIC_KEYS = frozenset({"torch", "numpy", "torchvision", "opencv", "cpu_capability", "cpu_isa", "blas", "mkl",
+                          "onednn", "torch_threads", "mkldnn_enabled", "tf32_matmul", "tf32_cudnn",
+                          "float32_matmul_precision", "deterministic_algorithms", "numeric_env", "gpu_model",
+                          "cuda", "cudnn", "threads_per_rank"})
+
+
 def environment(config_hash: str, threads_per_rank: int | None) -> dict[str, Any]:
     """Host, CPU, GPU, driver and library versions, detscale version and commit, config hash."""
     cuda = torch.cuda.is_available()
@@ -93,6 +162,7 @@ def environment(config_hash: str, threads_per_rank: int | None) -> dict[str, Any
         "nccl": nccl,
         "python": platform.python_version(),
         **_library_versions(),
+        **numerics(),
         "detscale": detscale.__version__,
         **_git_commit(),
         "config_hash": config_hash,

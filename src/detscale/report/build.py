@@ -15,6 +15,7 @@ from typing import Any
 from detscale import config as dsconfig
 from detscale.files import write_text
 from detscale.report import accuracy, html, plots, projection, tables
+from detscale.report.communication import comm_markdown, read_comm
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +84,51 @@ PER_RUN_ENV_KEYS = frozenset({"world_size", "rank_hosts", "config_hash", "config
                               "slurm_job_id"})
 
 
+def environment_differences(envs: Mapping[str, Mapping[str, Any]],
+                            ignore: frozenset[str] = PER_RUN_ENV_KEYS) -> dict[str, dict[str, list[str]]]:
+    """The env.json keys whose values differ between runs: key -> value -> the runs that had it."""
+    keys = {k for env in envs.values() for k in env} - ignore
+    out: dict[str, dict[str, list[str]]] = {}
+    for key in sorted(keys):
+        by_value: dict[str, list[str]] = {}
+        for run, env in sorted(envs.items()):
+            value = env.get(key)
+            by_value.setdefault(value if isinstance(value, str) else json.dumps(value), []).append(run)
+        if len(by_value) > 1:
+            out[key] = by_value
+    return out
+
+
+def describe_differences(differ: Mapping[str, Mapping[str, Sequence[str]]], limit: int = 3) -> str:
+    """``key (value in n runs, other in m runs)`` for each key; long values are cut."""
+    def short(value: str) -> str:
+        return value if len(value) <= 40 else value[:37] + "..."
+
+    parts = []
+    for key, by_value in differ.items():
+        values = sorted(by_value.items(), key=lambda kv: -len(kv[1]))
+        shown = ", ".join(f"{short(v)} in {len(r)} run{'s' if len(r) > 1 else ''}" for v, r in values[:limit])
+        more = f", {len(values) - limit} more" if len(values) > limit else ""
+        parts.append(f"{key} ({shown}{more})")
+    return "; ".join(parts)
+
+
 def environment_note(envs: Mapping[str, Mapping[str, Any]]) -> str | None:
-    """A warning when the runs were measured with different software or hardware."""
-    keys = {k for env in envs.values() for k in env} - PER_RUN_ENV_KEYS
-    differ = sorted(k for k in keys if len({repr(env.get(k)) for env in envs.values()}) > 1)
+    """A warning when the runs were measured with different software or hardware; it names the keys and
+    their values, and says when they are ones that change the arithmetic itself."""
+    from detscale.engine.envinfo import NUMERIC_KEYS
+
+    differ = environment_differences(envs)
     if not differ:
         return None
-    return ("The runs' environments differ in " + ", ".join(differ) + " (see Environment): numbers of different "
-            "software or hardware are compared; re-run the grid in one environment for a clean comparison.")
+    text = ("The runs' environments differ in " + describe_differences(differ) + " (see Environment): numbers of "
+            "different software or hardware are compared; re-run the grid in one environment for a clean comparison.")
+    numeric = sorted(set(differ) & NUMERIC_KEYS)
+    if numeric:
+        text += (" " + ", ".join(numeric) + " change which kernels compute the same operations and how they round: "
+                 "runs of one seed then follow different trajectories, so their mAP differs by more than one "
+                 "machine's run-to-run noise (none on CPU).")
+    return text
 
 
 def data_note(run_configs: Sequence[Mapping[str, Any]]) -> str | None:
@@ -174,32 +212,6 @@ def methods(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig) -
     ]
 
 
-def comm_rows(comm: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """The communication benchmarks as one table (header, body)."""
-    header = ["model", "imgsz", "ranks", "backend", "gradient (MiB)", "buckets", "all-reduce (ms, median)",
-              "p10–p90 (ms)", "algbw (GB/s)", "busbw (GB/s)", "fit: latency (us)", "fit: busbw (GB/s)"]
-    body = [[c["model"], str(c["imgsz"]), f"{c['world_size']} {c['device']}", c["backend"],
-             f"{c['gradient_bytes'] / 2**20:.1f}", str(len(c["bucket_bytes"])), f"{c['time_ms']:.2f}",
-             f"{c['time_ms_p10']:.2f}–{c['time_ms_p90']:.2f}", f"{c['algbw_GBps']:.2f}", f"{c['busbw_GBps']:.2f}",
-             f"{c['fit']['latency_us']:.0f}", f"{c['fit']['busbw_GBps']:.2f}"]
-            for c in sorted(comm, key=lambda c: (c["model"], c["imgsz"], c["world_size"]))]
-    return header, body
-
-
-COMM_METHOD = ("All-reduce of the model's gradient (float32) in the buckets DDP settles on after one training "
-               "batch, all buckets in flight together, median of the timed rounds after warm-up rounds; algbw = "
-               "bytes / time, busbw = algbw x 2(n-1)/n (nccl-tests' definitions); the fit is t = latency + "
-               "bytes x 2(n-1)/n / busbw over a sweep of 4 KiB..64 MiB messages.")
-
-
-def comm_markdown(comm: Sequence[Mapping[str, Any]]) -> list[str]:
-    if not comm:
-        return ["", "## Communication", "", "No communication benchmark (no grid point of 2 or more GPUs on one node)."]
-    header, body = comm_rows(comm)
-    return ["", "## Communication", "", COMM_METHOD, "", "| " + " | ".join(header) + " |",
-            "|---" * len(header) + "|", *("| " + " | ".join(row) + " |" for row in body)]
-
-
 def contention_note(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """On CPU ranks: a warning when the ranks and their loader workers want more cores than the host has."""
     crowded = []
@@ -216,20 +228,6 @@ def contention_note(rows: Sequence[Mapping[str, Any]]) -> str | None:
                       for g, t, w, n, c in sorted(set(crowded)))
     return (f"CPU contention: {cases}. The CPU analogue then also measures the ranks' contention for cores, not only "
             "what an added rank buys; the step breakdown and the projection's CPU roofline show how much.")
-
-
-def read_comm(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """The communication benchmarks (``detscale comm`` JSON) given to the report."""
-    import json
-
-    out = []
-    for path in paths:
-        try:
-            out.append(json.loads(Path(path).read_text()))
-        except (OSError, ValueError) as exc:
-            raise tables.ReportError(f"cannot read the communication benchmark {path}: {exc}; rerun the workflow "
-                                     "(rule comm) to write it again") from None
-    return out
 
 
 def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_dir: str | Path,

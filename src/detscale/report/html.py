@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from detscale.report import tables
+from detscale.report.communication import COMM_METHOD, comm_rows
+from detscale.report.projection import INTERVAL_METHOD, checks_table
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 75em; padding: 0 1em; color: #222; }
@@ -145,7 +147,6 @@ def render(
 def communication_section(comm: Sequence[Mapping[str, Any]], projections: Sequence[Any],
                           no_projection: Sequence[str]) -> list[str]:
     """The communication benchmark's table and the scaling projection (its error on the measured points)."""
-    from detscale.report.build import COMM_METHOD, comm_rows
 
     parts = ["<h2>Communication</h2>"]
     if comm:
@@ -166,8 +167,9 @@ def communication_section(comm: Sequence[Mapping[str, Any]], projections: Sequen
                      f"{p.intra.busbw_Bps / 1e9:.2f} GB/s ({_e(p.intra.source)}). Between nodes: {_e(p.inter.name)}, "
                      f"{p.inter.latency_s * 1e6:.0f} µs, {p.inter.busbw_Bps / 1e9:.1f} GB/s "
                      f"({_e(p.inter.source)}).</p>")
-        parts.append(table(["measured GPUs", "measured img/s", "projected img/s", "error"],
-                           [[g, f"{m:.1f}", f"{q:.1f}", f"{e:+.1%}"] for g, m, q, e in p.errors]))
+        header, body = checks_table(p.checks)
+        parts.append(f"<p>{_e(INTERVAL_METHOD)}</p>")
+        parts.append(table(header, [[cell.replace("**", "") for cell in row] for row in body]))
         gpn = sorted({x.gpus_per_node for x in p.grid})
         body = []
         for m in sorted({x.nodes for x in p.grid}):

@@ -16,7 +16,8 @@ all-reduce (DDP's buckets, an alpha-beta model per fabric), the step of ``g`` GP
   benchmark's contention probe on that many ranks (1 for one rank; the largest measured count
   beyond it);
 - the second term is a roofline on the node's CPU cores: every rank's process needs ``cpu`` CPU
-  milliseconds per step (re-counted for the accumulation as ``T``) and its loader workers
+  milliseconds per step (re-counted for the accumulation as ``T``, and slowed by ``c`` less the
+  part of it that is waiting for a core when CPU ranks outnumber the cores) and its loader workers
   ``loader`` per image (both measured in the 1-GPU run, ``/proc`` and ``process_time``);
   ``cores`` is what the measured host gave the run. On a GPU host it is the data loader's
   ceiling; on the CPU analogue here it is also the contention of the ranks themselves for cores,
@@ -31,7 +32,10 @@ all-reduce (DDP's buckets, an alpha-beta model per fabric), the step of ``g`` GP
 
 What it leaves out: the all-reduce slowing the backward it overlaps (shared memory bandwidth or
 SMs), stragglers, and the loader's own memory bandwidth. Its error on every measured point is
-reported beside it.
+reported beside it, with an interval: the projection recomputed with each measured input at the
+end of its spread (the 1-GPU step over its runs, the contention probe over its rounds, the
+all-reduce over its rounds). A point outside its interval is explained by the step term whose
+projected and measured milliseconds differ most (:meth:`Check.off_term`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from detscale.engine.semantics import accumulate_steps
@@ -98,6 +102,16 @@ class Baseline:
     scaling: str  # weak: the batch per GPU stays; strong: the global batch stays
     optimizer_s: float = 0.0  # optimiser + EMA per batch (one optimiser step per `accumulate` batches)
     accumulate: int = 1
+    forward_s: float = math.nan  # forward and loss per batch
+    threads: int = 1  # torch threads of a CPU rank
+    #: the spread of the 1-GPU step over the baseline's runs (seeds, repeats): min / median, max / median
+    step_spread: tuple[float, float] = (1.0, 1.0)
+
+    def scaled(self, factor: float) -> Baseline:
+        """The same baseline with its own work ``factor`` times as long (the ends of its measured spread)."""
+        return replace(self, step_s=self.step_s * factor, backward_s=self.backward_s * factor,
+                       forward_s=self.forward_s * factor, optimizer_s=self.optimizer_s * factor,
+                       cpu_s=None if self.cpu_s is None else self.cpu_s * factor)
 
     def accumulate_for(self, gpus: int, batch: int) -> int:
         """The trainer's accumulation for ``gpus`` GPUs of ``batch`` images, for the images of one measured
@@ -119,7 +133,12 @@ class Baseline:
         loader = med("loader_cpu_ms_per_image")
         optimizer = med("optimizer_ms")
         accumulate = med("accumulate")
-        return cls(step_s=med("step_ms") / 1000, backward_s=med("backward_ms") / 1000,
+        steps = [float(r["step_ms"]) for r in ones if not math.isnan(float(r["step_ms"]))]
+        step = med("step_ms")
+        spread = (min(steps) / step, max(steps) / step) if steps and step > 0 else (1.0, 1.0)
+        threads = med("threads_per_rank")
+        return cls(step_s=step / 1000, backward_s=med("backward_ms") / 1000, forward_s=med("forward_ms") / 1000,
+                   step_spread=spread, threads=1 if math.isnan(threads) else int(threads),
                    batch=int(ones[0]["batch_per_gpu"]),
                    cpu_s=None if math.isnan(cpu) else cpu / 1000,
                    loader_s_per_image=0.0 if math.isnan(loader) else loader / 1000,
@@ -167,7 +186,11 @@ def project(base: Baseline, buckets: Sequence[int], gpus_per_node: int, nodes: i
     cpu_bound = 0.0
     if base.cpu_s is not None:
         comm_cpu = sum(fabric.allreduce_s(b, n) for b in buckets) if base.device == "cpu" else 0.0
-        cpu_bound = gpus_per_node * ((base.cpu_s + extra_optimizer) * f * c + base.loader_s_per_image * batch
+        # CPU ranks that outnumber the cores: the probe's slowdown then includes waiting for a core (wall
+        # time, not CPU time), which the roofline counts itself; its CPU seconds grow by the rest only.
+        share = gpus_per_node * base.threads / base.cores if base.device == "cpu" else 1.0
+        cpu_c = max(c / share, 1.0) if share > 1 else c
+        cpu_bound = gpus_per_node * ((base.cpu_s + extra_optimizer) * f * cpu_c + base.loader_s_per_image * batch
                                      + comm_cpu) / base.cores
     step = max(own + exposed, cpu_bound)
     ips = n * batch / step
@@ -176,19 +199,60 @@ def project(base: Baseline, buckets: Sequence[int], gpus_per_node: int, nodes: i
                      ips, ips / (n * ips1))
 
 
+@dataclass(frozen=True)
+class Check:
+    """A measured point against its projection: the projected img/s with the interval that the spread of its
+    inputs gives (the 1-GPU step over its runs, the contention probe over its rounds, the all-reduce over its
+    rounds), and the step's terms, projected and measured (ms), to tell which one is off when it falls outside."""
+
+    gpus: int
+    measured: float
+    projected: float
+    low: float
+    high: float
+    #: (term, projected ms, measured ms) for the terms the step breakdown measures
+    terms: tuple[tuple[str, float, float], ...] = ()
+    cpu_bound: bool = False
+    oversubscribed: bool = False  # more busy threads than the host's cores (CPU ranks)
+
+    @property
+    def error(self) -> float:
+        return (self.projected - self.measured) / self.measured
+
+    @property
+    def inside(self) -> bool:
+        slack = 1e-9 * self.measured  # the 1-GPU point equals its projection up to float rounding
+        return self.low - slack <= self.measured <= self.high + slack
+
+    def off_term(self) -> str:
+        """Why a point outside its interval is off: the term with the largest miss, in words."""
+        if self.inside:
+            return ""
+        known = [(name, p, m) for name, p, m in self.terms if not (math.isnan(p) or math.isnan(m))]
+        if not known:
+            return "no step breakdown of the measured run: run it with train.step_breakdown"
+        name, projected, measured = max(known, key=lambda t: abs(t[2] - t[1]))
+        text = f"{name}: {measured:.1f} ms measured, {projected:.1f} ms projected"
+        if self.cpu_bound:
+            text += " (the projection is bound by the CPU roofline here)"
+        return text
+
+
 @dataclass
 class GroupProjection:
     group: str
     intra: Fabric
     inter: Fabric
     grid: list[Projected]
-    #: (gpus, measured img/s, projected img/s, relative error) for every measured GPU count
-    errors: list[tuple[int, float, float, float]]
+    #: every measured single-node GPU count against its projection
+    checks: list[Check]
     gradient_bytes: int
     buckets: int
-    #: ranks per node -> measured slowdown of a rank's work with that many busy (contention probe)
+    #: ranks per node -> measured slowdown of a rank's work with that many busy (contention probe, median)
     contention: dict[int, float] = field(default_factory=dict)
     accumulate: int = 1
+    #: ranks per node -> (lowest, highest) slowdown over the probe's rounds
+    contention_range: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 def contention_by_ranks(comm: Sequence[Mapping[str, Any]]) -> dict[int, float]:
@@ -196,10 +260,40 @@ def contention_by_ranks(comm: Sequence[Mapping[str, Any]]) -> dict[int, float]:
     return {int(c["world_size"]): float(c["contention"]["factor"]) for c in comm if c.get("contention")}
 
 
+def contention_range_by_ranks(comm: Sequence[Mapping[str, Any]]) -> dict[int, tuple[float, float]]:
+    """Ranks -> (lowest, highest) slowdown over the probe's rounds (the median twice for a probe of one round)."""
+    out = {}
+    for c in comm:
+        probe = c.get("contention")
+        if probe:
+            factor = float(probe["factor"])
+            out[int(c["world_size"])] = (float(probe.get("factor_min", factor)), float(probe.get("factor_max", factor)))
+    return out
+
+
+def comm_spread(result: Mapping[str, Any]) -> tuple[float, float]:
+    """The all-reduce's spread over its timed rounds: p10 / median and p90 / median of the bucket round."""
+    median = float(result["time_ms"])
+    if median <= 0:
+        return 1.0, 1.0
+    return float(result.get("time_ms_p10", median)) / median, float(result.get("time_ms_p90", median)) / median
+
+
+def slower(fabric: Fabric, factor: float) -> Fabric:
+    """``fabric`` with every all-reduce ``factor`` times as long."""
+    return Fabric(fabric.name, fabric.latency_s * factor, fabric.busbw_Bps / factor, fabric.source)
+
+
 def contention_for(slowdown: Mapping[int, float], ranks: int) -> float:
     """The slowdown of ``ranks`` busy ranks: measured for that count, else the largest count measured below it."""
     below = [k for k in slowdown if k <= ranks]
     return slowdown[max(below)] if ranks >= 2 and below else 1.0
+
+
+def contention_range_for(ranges: Mapping[int, tuple[float, float]], ranks: int) -> tuple[float, float]:
+    """:func:`contention_for` of the probe's (lowest, highest) round."""
+    below = [k for k in ranges if k <= ranks]
+    return ranges[max(below)] if ranks >= 2 and below else (1.0, 1.0)
 
 
 def _comm_for(comm: Sequence[Mapping[str, Any]], model: str, imgsz: int) -> list[Mapping[str, Any]]:
@@ -234,17 +328,84 @@ def project_groups(rows: Sequence[Mapping[str, Any]], comm: Sequence[Mapping[str
         slowdown = contention_by_ranks(results)
         grid = [project(base, buckets, g, m, intra, inter, contention_for(slowdown, g))
                 for m in pcfg.nodes for g in pcfg.gpus_per_node]
-        errors = []
-        for gpus in sorted({int(r["gpus"]) for r in members if int(r["nodes"]) == 1}):
-            measured = statistics.median(float(r["images_per_s"]) for r in members if int(r["gpus"]) == gpus)
-            # a measured point is predicted with the fabric it ran on: its own rank count's benchmark
-            own = next((c for c in results if int(c["world_size"]) == gpus), largest)
-            predicted = project(base, buckets, gpus, 1, fabric_from_comm(own), inter,
-                                contention_for(slowdown, gpus)).images_per_s
-            errors.append((gpus, measured, predicted, (predicted - measured) / measured))
-        out.append(GroupProjection(group, intra, inter, grid, errors, int(largest["gradient_bytes"]), len(buckets),
-                                   slowdown, base.accumulate))
+        ranges = contention_range_by_ranks(results)
+        checks = [check_point(base, buckets, gpus, [r for r in members if int(r["gpus"]) == gpus],
+                              next((c for c in results if int(c["world_size"]) == gpus), largest), inter,
+                              contention_for(slowdown, gpus), contention_range_for(ranges, gpus))
+                  for gpus in sorted({int(r["gpus"]) for r in members if int(r["nodes"]) == 1})]
+        out.append(GroupProjection(group, intra, inter, grid, checks, int(largest["gradient_bytes"]), len(buckets),
+                                   slowdown, base.accumulate, ranges))
     return out, skipped
+
+
+def _median_of(rows: Sequence[Mapping[str, Any]], key: str) -> float:
+    values = [float(r[key]) for r in rows if r.get(key) is not None and not math.isnan(float(r[key]))]
+    return statistics.median(values) if values else math.nan
+
+
+def _oversubscribed(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """CPU ranks whose compute threads alone outnumber the cores the host gave the run (loader workers, which
+    mostly wait on a cache, are left out: the report's contention note counts them)."""
+    r = rows[0]
+    threads = float(r.get("threads_per_rank", math.nan))
+    if r.get("device") != "cpu" or math.isnan(threads) or not r.get("cpu_cores"):
+        return False
+    return int(r["gpus"]) // int(r.get("nodes", 1)) * int(threads) > int(r["cpu_cores"])
+
+
+def check_point(base: Baseline, buckets: Sequence[int], gpus: int, rows: Sequence[Mapping[str, Any]],
+                own_comm: Mapping[str, Any], inter: Fabric, contention: float,
+                contention_range: tuple[float, float]) -> Check:
+    """The measured ``gpus``-GPU point (its runs ``rows``) against its projection and interval.
+
+    The point is predicted with the fabric it ran on (its own rank count's communication benchmark).
+    The interval's ends combine the ends of every input's measured spread in the same direction: the
+    1-GPU step (min and max over the baseline's runs), the contention probe (lowest and highest round)
+    and the all-reduce (p10 and p90 of its rounds).
+    """
+    fabric = fabric_from_comm(own_comm)
+    lo_comm, hi_comm = comm_spread(own_comm)
+    lo_step, hi_step = base.step_spread
+    lo_c, hi_c = contention_range
+    point = project(base, buckets, gpus, 1, fabric, inter, contention)
+    fast = project(base.scaled(lo_step), buckets, gpus, 1, slower(fabric, lo_comm), inter, min(lo_c, contention))
+    slow = project(base.scaled(hi_step), buckets, gpus, 1, slower(fabric, hi_comm), inter, max(hi_c, contention))
+    measured = statistics.median(float(r["images_per_s"]) for r in rows)
+
+    # The step's terms (ms per batch), projected as `project` composes them and measured by the breakdown.
+    batch = base.batch if base.scaling == "weak" else max(base.batch // gpus, 1)
+    f = batch / base.batch
+    c = contention if gpus > 1 else 1.0
+    optimizer = base.optimizer_s + base.optimizer_s * (base.accumulate / base.accumulate_for(gpus, batch) - 1)
+    fwd_bwd = base.forward_s + base.backward_s
+    m_fb = _median_of(rows, "forward_ms") + _median_of(rows, "backward_ms")
+    m_comm, m_opt, m_step = (_median_of(rows, k) for k in ("comm_ms", "optimizer_ms", "step_ms"))
+    terms = (
+        ("compute under contention (forward + backward)", 1000 * fwd_bwd * f * c, m_fb),
+        ("exposed communication", 1000 * point.exposed_comm_s, m_comm),
+        ("optimiser share", 1000 * optimizer * f * c, m_opt),
+        ("data wait and other", 1000 * (base.step_s - fwd_bwd - base.optimizer_s) * f * c,
+         m_step - m_fb - m_comm - m_opt),
+    )
+    return Check(gpus, measured, point.images_per_s, min(slow.images_per_s, fast.images_per_s),
+                 max(slow.images_per_s, fast.images_per_s), terms, point.cpu_bound, _oversubscribed(rows))
+
+
+def checks_table(checks: Sequence[Check]) -> tuple[list[str], list[list[str]]]:
+    """Every measured point against its projection (header, body), for the Markdown and HTML reports."""
+    header = ["measured GPUs", "measured img/s", "projected img/s (interval)", "error", "inside the interval",
+              "if not: the term that is off"]
+    body = [[f"{k.gpus}{' (oversubscribed)' if k.oversubscribed else ''}", f"{k.measured:.1f}",
+             f"{k.projected:.1f} ({k.low:.1f}–{k.high:.1f})", f"{k.error:+.1%}", "yes" if k.inside else "**no**",
+             k.off_term() or "—"] for k in checks]
+    return header, body
+
+
+INTERVAL_METHOD = ("Interval: the projection recomputed with every input at the end of its measured spread, in the "
+                   "same direction: the 1-GPU step (min and max over the baseline's runs), the contention probe "
+                   "(lowest and highest of its rounds, each round a rank alone then all ranks together) and the "
+                   "all-reduce (p10 and p90 of its timed rounds). A measured point outside it names the step term "
+                   "(from its step breakdown) that misses most.")
 
 
 def markdown(projections: Sequence[GroupProjection], skipped: Sequence[str]) -> list[str]:
@@ -256,12 +417,16 @@ def markdown(projections: Sequence[GroupProjection], skipped: Sequence[str]) -> 
                   f"GB/s); between nodes: {p.inter.name} ({p.inter.latency_s * 1e6:.0f} us, "
                   f"{p.inter.busbw_Bps / 1e9:.1f} GB/s; {p.inter.source}).",
                   "Contention (a rank's own work with all ranks of a node busy, measured by the communication "
-                  "benchmark): " + (", ".join(f"x{v:.3f} at {k} ranks" for k, v in sorted(p.contention.items()))
+                  "benchmark, median of its rounds, lowest–highest round): "
+                  + (", ".join(f"x{v:.3f} (x{p.contention_range.get(k, (v, v))[0]:.3f}–"
+                               f"x{p.contention_range.get(k, (v, v))[1]:.3f}) at {k} ranks"
+                               for k, v in sorted(p.contention.items()))
                                     or "not measured (x1)") + "; beyond the largest measured count the same factor."
                   + (f" The 1-GPU run accumulated {p.accumulate} batches per optimiser step: fewer at more GPUs, "
                      "so the optimiser's share of a batch grows." if p.accumulate > 1 else ""), ""]
-        lines += ["| measured GPUs | measured img/s | projected img/s | error |", "|---|---|---|---|"]
-        lines += [f"| {g} | {m:.1f} | {q:.1f} | {e:+.1%} |" for g, m, q, e in p.errors]
+        header, body = checks_table(p.checks)
+        lines += [INTERVAL_METHOD, "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
+                  *("| " + " | ".join(row) + " |" for row in body)]
         gpn = sorted({x.gpus_per_node for x in p.grid})
         lines += ["", "Projected img/s (efficiency) by GPUs per node (columns) and nodes (rows); "
                   "* marks a step bound by the node's CPU cores:", "",
