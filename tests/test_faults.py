@@ -315,7 +315,7 @@ def test_a_stopped_rank_fails_the_group_in_time_names_the_rank_and_the_rerun_res
                                                                                       data_yaml: Path) -> None:
     import time
 
-    from detscale.launch import pick_port, torchrun_command
+    from detscale.cluster.torchrun import pick_port, torchrun_command
 
     cfg = tmp_path / "cfg.yaml"
     text = CONFIG.format(data_yaml=data_yaml).replace("gpus: [1]", "gpus: [2]").replace("batch: [4]", "batch: [2]")

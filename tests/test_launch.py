@@ -22,13 +22,9 @@ from pathlib import Path
 import pytest
 
 from detscale import files as files_mod
-from detscale import launch as launch_mod
-from detscale import slurm
-from detscale.config import RunPoint
-from detscale.engine.semantics import check_world_size
-from detscale.errors import EXIT_PREEMPTED
-from detscale.files import restore_resume_files, stash_resume_files
-from detscale.launch import (
+from detscale.cluster import slurm
+from detscale.cluster import torchrun as launch_mod
+from detscale.cluster.torchrun import (
     GpuLocks,
     LaunchError,
     LaunchRequest,
@@ -37,6 +33,10 @@ from detscale.launch import (
     port_is_free,
     torchrun_command,
 )
+from detscale.config import RunPoint
+from detscale.engine.semantics import check_world_size
+from detscale.errors import EXIT_PREEMPTED
+from detscale.files import restore_resume_files, stash_resume_files
 
 
 def test_locks_give_disjoint_cards_to_concurrent_launchers(tmp_path: Path) -> None:
@@ -219,7 +219,7 @@ def test_sigterm_is_forwarded_and_gives_the_requeue_code(tmp_path: Path) -> None
         time.sleep(60)
     """))
     launcher = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys; from detscale.launch import run_child; "
+        "import os, sys; from detscale.cluster.torchrun import run_child; "
         f"sys.exit(run_child([sys.executable, {str(child)!r}], dict(os.environ)))")])
     deadline = time.monotonic() + 30
     while not (tmp_path / "ready").exists() and time.monotonic() < deadline:

@@ -2,7 +2,7 @@
 
 The rendezvous test starts two ``torchrun`` agents on this machine, each with ``--nnodes 2
 --nproc-per-node 1`` and the same c10d endpoint and id, exactly as the ``srun`` step of
-:func:`detscale.slurm.multinode_command` starts one agent per node. The two ranks (gloo) train
+:func:`detscale.cluster.slurm.multinode_command` starts one agent per node. The two ranks (gloo) train
 a few DDP steps and must end with identical weights.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from detscale import slurm
-from detscale.slurm import SlurmError, multinode_command
+from detscale.cluster import slurm
+from detscale.cluster.slurm import SlurmError, multinode_command
 from helpers import tiny_dataset
 
 HERE = Path(__file__).resolve().parent
@@ -38,7 +38,7 @@ def test_multinode_command_argv() -> None:
     assert srun[0] == "srun"
     assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--cpus-per-task=32",
             "--overlap", "--kill-on-bad-exit=0"} <= set(srun)
-    assert agent[:3] == ["/venv/bin/python", "-m", "detscale.slurm"]  # maps Slurm's SIGTERM to exit 75
+    assert agent[:3] == ["/venv/bin/python", "-m", "detscale.cluster.slurm"]  # maps Slurm's SIGTERM to exit 75
     assert agent[3:] == [
         "/venv/bin/python", "-m", "torch.distributed.run",
         "--nnodes=2", "--nproc-per-node=4",

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import detscale.engine.trainer as trainer
+from detscale.cluster.torchrun import pick_port, torchrun_command
 from detscale.engine.checkpoint import CheckpointError, load_checkpoint
 from detscale.errors import EXIT_PREEMPTED
-from detscale.launch import pick_port, torchrun_command
 from helpers import tiny_dataset
 
 CONFIG = """\

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from detscale import slurm, slurmfit
+from detscale.cluster import slurm, slurmfit
+from detscale.cluster.slurm import SlurmError, expand_hostlist
 from detscale.errors import EXIT_PREEMPTED
-from detscale.slurm import SlurmError, expand_hostlist
 from helpers import tiny_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,14 +85,14 @@ _AGENT = (
 
 def test_run_agent_maps_sigterm_to_requeue_status() -> None:
     """Slurm signals the whole step: the wrapper turns the agent's death by SIGTERM into 75."""
-    wrapper = [sys.executable, "-m", "detscale.slurm", sys.executable, "-c", _AGENT]
+    wrapper = [sys.executable, "-m", "detscale.cluster.slurm", sys.executable, "-c", _AGENT]
     proc = subprocess.Popen(wrapper, stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     os.killpg(proc.pid, signal.SIGTERM)  # every process of the group, as slurmstepd does
     assert proc.wait(timeout=30) == EXIT_PREEMPTED
     # Without a signal the agent's own status passes through.
-    quick = subprocess.run([sys.executable, "-m", "detscale.slurm", sys.executable, "-c", "raise SystemExit(3)"],
-                           timeout=60)
+    quick = subprocess.run([sys.executable, "-m", "detscale.cluster.slurm", sys.executable, "-c",
+                            "raise SystemExit(3)"], timeout=60)
     assert quick.returncode == 3
 
 

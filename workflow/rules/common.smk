@@ -61,7 +61,7 @@ DATA_THREADS = CFG.placement.data_threads
 # with that reason; neither waits silently. Nothing happens with other executors.
 onstart:
     from snakemake.exceptions import WorkflowError
-    from detscale import slurmfit as dsslurmfit
+    from detscale.cluster import slurmfit as dsslurmfit
 
     try:
         dsslurmfit.on_start(workflow)

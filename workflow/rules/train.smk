@@ -74,7 +74,7 @@ rule train:
 #   nodes=M          -> sbatch --nodes=M
 #   mpi="srun"       the job-step executor then runs the rule's command as is in the batch
 #                    script, instead of inside `srun -n1` (one task on one node, which could not
-#                    start an agent on every node); the command itself calls srun (detscale.slurm).
+#                    start an agent on every node); the command itself calls srun (detscale.cluster.slurm).
 #                    The plugin only tests that the key exists; the value names the launcher.
 #   tasks=M          -> sbatch --ntasks=M: one task (one torchrun agent) per node. The plugin
 #                    requires tasks (> 1) or tasks_per_node (> 1) for an `mpi` job.

@@ -3,7 +3,7 @@
     detscale launch --gpus 2 -- comm --config C --model gelan-t --imgsz 64 --data D --out results/comm/X.json
 
 Times the all-reduce of the model's gradient in DDP's own buckets and a sweep of message sizes
-(:mod:`detscale.comm`); rank 0 writes the JSON and prints a summary. On a host without CUDA the
+(:mod:`detscale.allreduce_bench`); rank 0 writes the JSON and prints a summary. On a host without CUDA the
 ranks are CPU processes with gloo, as in training.
 """
 
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from detscale import config, dist
-    from detscale.comm import benchmark
+    from detscale.allreduce_bench import benchmark
     from detscale.data.formats import load_spec
     from detscale.files import write_text
     from detscale.model import build_model

@@ -58,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from detscale import config
+    from detscale.cluster.torchrun import LaunchError, LaunchRequest, launch
     from detscale.commands import comm as comm_cmd
     from detscale.commands import train as train_cmd
     from detscale.engine.semantics import check_run_request, config_digest
-    from detscale.launch import LaunchError, LaunchRequest, launch
 
     if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
         raise LaunchError(f"--gpus {args.gpus} --nodes {args.nodes}: both must be >= 1 and the GPUs must "

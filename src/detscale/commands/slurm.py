@@ -1,6 +1,6 @@
 """Slurm helpers. ``detscale slurm check``: would every job of the workflow fit its partition?
 
-Runs the workflow's own start-up check (``detscale.slurmfit``) without submitting anything: every
+Runs the workflow's own start-up check (``detscale.cluster.slurmfit``) without submitting anything: every
 job Snakemake would submit through the profile, with its asks after the profile's
 ``default-resources``, ``set-resources`` and ``set-threads``, compared with the partition's nodes
 (``sinfo``, ``scontrol show partition``). Exit status 0 when every job fits, 2 with one line per
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from detscale import slurmfit
+    from detscale.cluster import slurmfit
 
     if not (args.profile / "config.yaml").is_file():
         raise UserError(f"{args.profile}: no config.yaml, not a Snakemake profile (e.g. profiles/slurm)")

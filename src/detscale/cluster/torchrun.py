@@ -19,8 +19,8 @@
    forwarded SIGTERM, which returns :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``): the ranks
    wrote ``weights/last.pt`` at a step boundary and rerunning the same command resumes.
 
-Multi-node runs (``--nodes M`` inside a Slurm allocation) delegate the command line to
-``detscale.slurm.multinode_command``.
+Multi-node runs (``--nodes M`` inside a Slurm allocation) take their command line from
+:func:`detscale.cluster.slurm.multinode_command`.
 
 Resuming under a workflow (``--resume-stash DIR``): Snakemake deletes a job's outputs before it
 runs the job again, and ``weights/last.pt`` is one of them, so a rerun after a preemption would
@@ -39,16 +39,17 @@ import fcntl
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from detscale.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
+from detscale.cluster.signals import caught_signals, exit_status
+from detscale.cluster.slurm import multinode_command
+from detscale.errors import UserError
 from detscale.files import RESUME_FILES, STASH_ENV, restore_resume_files, stash_resume_files
 
 log = logging.getLogger(__name__)
@@ -225,53 +226,14 @@ def torchrun_command(
     return cmd
 
 
-def multinode_command(nodes: int, gpus_per_node: int, train_argv: list[str], max_restarts: int,
-                      port: int, threads: int | None = None) -> list[str]:
-    """The srun + torchrun command of a multi-node run, from :mod:`detscale.slurm`.
-
-    ``threads``: torch threads per CPU rank, exported to every node's ranks as ``OMP_NUM_THREADS``
-    (``None`` for GPU ranks).
-    """
-    try:
-        from detscale.slurm import multinode_command as build
-    except ImportError as exc:
-        raise LaunchError(
-            f"--nodes {nodes} needs detscale.slurm.multinode_command, which is not available ({exc}); "
-            "run with --nodes 1, or install a detscale version with Slurm support"
-        ) from None
-    return build(nodes=nodes, gpus_per_node=gpus_per_node, train_argv=train_argv,
-                 max_restarts=max_restarts, port=port, entry=TORCHRUN_ENTRY, threads=threads)
-
-
-@contextlib.contextmanager
-def _forward_signals(child: subprocess.Popen) -> Iterator[list[int]]:
-    """Forward SIGINT/SIGTERM to ``child`` while inside; yields the list of signals received."""
-    received: list[int] = []
-
-    def handler(signum: int, _frame: object) -> None:
-        received.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield received
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
 def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
-    """Run ``cmd`` in its own session (so a terminal's Ctrl-C reaches it once, through us)."""
+    """Run ``cmd`` in its own session (so a terminal's Ctrl-C reaches it once, through us), forwarding
+    SIGINT/SIGTERM to it; the status is :func:`~detscale.cluster.signals.exit_status`'s."""
     log.info("launch: %s", " ".join(cmd))
     child = subprocess.Popen(list(cmd), env=env, start_new_session=True)
-    with _forward_signals(child) as received:
+    with caught_signals(forward_to=child) as received:
         code = child.wait()  # PEP 475: retried across the handled signals
-    if signal.SIGTERM in received:
-        return EXIT_PREEMPTED
-    if signal.SIGINT in received:
-        return EXIT_INTERRUPTED
-    return code
+    return exit_status(code, received)
 
 
 @dataclass(frozen=True)
@@ -324,8 +286,8 @@ def run_ranks(req: LaunchRequest) -> int:
         # node runs CPU ranks, which get --threads each as on one node.
         threads = req.threads if cuda_device_count() == 0 else None
         port = pick_port(req.port)
-        cmd = multinode_command(req.nodes, req.gpus // req.nodes, list(req.train_argv), req.max_restarts, port,
-                                threads)
+        cmd = multinode_command(nodes=req.nodes, gpus_per_node=req.gpus // req.nodes, train_argv=list(req.train_argv),
+                                max_restarts=req.max_restarts, port=port, entry=TORCHRUN_ENTRY, threads=threads)
         return run_child(cmd, env)
     locks = GpuLocks(os.environ.get("DETSCALE_GPU_LOCK_DIR", DEFAULT_LOCK_DIR))
     try:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from detscale.slurm import SlurmError, parse_oneliner
+from detscale.cluster.slurm import SlurmError, parse_oneliner
 
 #: Environment variable of ``detscale slurm check``: the workflow checks, writes the verdict to
 #: this file and stops before submitting anything.

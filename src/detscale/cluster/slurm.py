@@ -18,13 +18,13 @@ import logging
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from detscale.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
+from detscale.cluster.signals import caught_signals, exit_status
+from detscale.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +241,8 @@ def multinode_command(
     before rank 0 has written its checkpoint, and killing it then would lose the checkpoint; a
     rank that really fails ends the others through the process group's timeout.
 
-    Each agent runs under :func:`run_agent` (``python -m detscale.slurm``), which turns the
-    SIGTERM Slurm sends before a time limit or on preemption into :data:`EXIT_PREEMPTED`.
+    Each agent runs under :func:`run_agent` (``python -m detscale.cluster.slurm``), which turns the
+    SIGTERM Slurm sends before a time limit or on preemption into :data:`~detscale.errors.EXIT_PREEMPTED`.
     """
     if nodes < 1 or gpus_per_node < 1:
         raise SlurmError(f"nodes and GPUs per node must be >= 1, got nodes={nodes}, gpus_per_node={gpus_per_node}")
@@ -276,7 +276,7 @@ def multinode_command(
         *([f"--export=ALL,OMP_NUM_THREADS={threads}"] if threads is not None else []),
         python or sys.executable,
         "-m",
-        "detscale.slurm",
+        "detscale.cluster.slurm",
         python or sys.executable,
         "-m",
         "torch.distributed.run",
@@ -294,9 +294,6 @@ def multinode_command(
 # ---------------------------------------------------------------------------------------------
 # One node's agent
 # ---------------------------------------------------------------------------------------------
-
-#: Exit status of a run stopped by SIGTERM after writing its checkpoint (same as ``detscale launch``).
-
 
 def describe_task(env: Mapping[str, str] | None = None) -> str:
     """One line on what this srun task got: its node, node rank, GPUs and threads (for the run's log)."""
@@ -318,26 +315,15 @@ def run_agent(argv: Sequence[str]) -> int:
     them), waits for the agent, and reports the requeue status.
     """
     log.info("%s", describe_task())
-    received: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum))
-                for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        child = subprocess.Popen(list(argv))
-        code = child.wait()  # PEP 475: retried across the handled signals
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if signal.SIGTERM in received:
-        return EXIT_PREEMPTED
-    if signal.SIGINT in received:
-        return EXIT_INTERRUPTED
-    return code
+    with caught_signals() as received:  # recorded, not forwarded: the agent got them from Slurm itself
+        code = subprocess.Popen(list(argv)).wait()  # PEP 475: retried across the handled signals
+    return exit_status(code, received)
 
 
 if __name__ == "__main__":
     # One line per node in the job's log (which node, which GPUs, how many threads).
-    logging.basicConfig(level=logging.INFO, format="detscale.slurm: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="detscale.cluster.slurm: %(message)s")
     if len(sys.argv) < 2:
-        sys.stderr.write("usage: python -m detscale.slurm TORCHRUN_COMMAND...\n")
+        sys.stderr.write("usage: python -m detscale.cluster.slurm TORCHRUN_COMMAND...\n")
         sys.exit(2)
     sys.exit(run_agent(sys.argv[1:]))
