@@ -14,7 +14,12 @@ from detscale.engine.buffers import SequentialBufferMerge
 from detscale.engine.ema import ModelEMA
 
 if TYPE_CHECKING:
+    from detscale.config import ExperimentConfig, RunPoint
+    from detscale.dist import DistInfo
     from detscale.engine.ddp import CommProbe
+    from detscale.engine.semantics import TrainSemantics
+    from detscale.engine.stopflag import StopFlag
+    from detscale.engine.timing import RankTiming
 
 
 @dataclass(frozen=True)
@@ -66,3 +71,25 @@ class Progress:
     best_map: float | None = None
     epoch_seconds_done: float = 0.0  # of the current, unfinished epoch (mid-epoch resume)
     loss_sum: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+
+
+@dataclass
+class RunState:
+    """One rank's run as the epoch loop sees it: what it is (config, grid point, semantics, digest),
+    what it trains with (parts, loaders), where it stands (progress, timing, the stop flag) and where
+    its files go (paths)."""
+
+    cfg: ExperimentConfig
+    point: RunPoint
+    sem: TrainSemantics
+    info: DistInfo
+    digest: str
+    nc: int
+    paths: RunPaths
+    parts: Parts
+    progress: Progress
+    timing: RankTiming
+    stop: StopFlag
+    train_loader: Any
+    val_loader: Any | None
+    gt_json: Path

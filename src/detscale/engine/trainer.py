@@ -64,7 +64,7 @@ from detscale.engine.optim import (
     warmup_iterations,
 )
 from detscale.engine.semantics import TrainSemantics, config_digest, derive_semantics
-from detscale.engine.state import Parts, Progress, RunPaths
+from detscale.engine.state import Parts, Progress, RunPaths, RunState
 from detscale.engine.stopflag import StopFlag
 from detscale.engine.timing import RankTiming, StepTimer, peak_memory, timing_report
 from detscale.errors import EXIT_PREEMPTED, UserError
@@ -476,8 +476,8 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
     stop = StopFlag()
     stop.install()
     try:
-        stopped = _epochs(parts, train_loader, val_loader, progress, sem, cfg, point, spec.nc, digest, info,
-                          paths, timing, stop, gt_json)
+        stopped = _epochs(RunState(cfg, point, sem, info, digest, spec.nc, paths, parts, progress, timing, stop,
+                                   train_loader, val_loader, gt_json))
     finally:
         stop.uninstall()
     if stopped:
@@ -503,17 +503,21 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
     return 0
 
 
-def _epochs(parts: Parts, train_loader: Any, val_loader: Any | None, progress: Progress, sem: TrainSemantics,
-            cfg: ExperimentConfig, point: RunPoint, nc: int, digest: str, info: dist.DistInfo, paths: RunPaths,
-            timing: RankTiming, stop: StopFlag, gt_json: Path) -> bool:
+def _epochs(run: RunState) -> bool:
     """The epoch loop; True when stopped early by a signal (last.pt written)."""
+    parts, progress, sem, cfg, paths, timing = run.parts, run.progress, run.sem, run.cfg, run.paths, run.timing
+
+    def checkpoint() -> dict[str, Any] | None:
+        return checkpoint_dict(parts, progress, run.point, run.nc, run.digest, sem, timing)
+
     while progress.epoch < sem.epochs:
         epoch = progress.epoch
-        result = train_one_epoch(parts, train_loader, epoch, progress, sem, cfg.train, info.device, timing, stop)
+        result = train_one_epoch(parts, run.train_loader, epoch, progress, sem, cfg.train, run.info.device, timing,
+                                 run.stop)
         if not result.complete:
-            save = checkpoint_dict(parts, progress, point, nc, digest, sem, timing)
+            save = checkpoint()
             if save is not None:
-                save_last(save, paths, digest)
+                save_last(save, paths, run.digest)
             dist.barrier()
             return True
         timing.epoch_seconds.append(result.seconds)
@@ -530,9 +534,9 @@ def _epochs(parts: Parts, train_loader: Any, val_loader: Any | None, progress: P
             "mosaic": cfg.augment.mosaic > 0 and epoch < sem.epochs - sem.close_mosaic,
         }
         improved = False
-        if val_loader is not None and ((epoch + 1) % cfg.train.val_interval == 0 or epoch + 1 == sem.epochs):
+        if run.val_loader is not None and ((epoch + 1) % cfg.train.val_interval == 0 or epoch + 1 == sem.epochs):
             t0 = time.perf_counter()
-            metrics = validate(parts.ema.module, val_loader, info.device, cfg.eval, gt_json)
+            metrics = validate(parts.ema.module, run.val_loader, run.info.device, cfg.eval, run.gt_json)
             seconds = time.perf_counter() - t0
             timing.val_seconds += seconds
             row.update({"val_seconds": seconds, "map50_95": metrics["map50_95"], "map50": metrics["map50"]})
@@ -541,10 +545,10 @@ def _epochs(parts: Parts, train_loader: Any, val_loader: Any | None, progress: P
                 progress.best_map = metrics["map50_95"] or 0.0
         progress.epoch, progress.step = epoch + 1, 0
         progress.epoch_seconds_done, progress.loss_sum = 0.0, [0.0, 0.0, 0.0]
-        save = checkpoint_dict(parts, progress, point, nc, digest, sem, timing)
+        save = checkpoint()
         if save is not None:
             append_metrics(paths.metrics, row)
-            save_last(save, paths, digest)
+            save_last(save, paths, run.digest)
             if improved:
                 save_torch(save, paths.best)
             log.info("epoch %d/%d: loss box %.4f cls %.4f dfl %.4f, %.1f s%s", epoch + 1, sem.epochs,
