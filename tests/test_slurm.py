@@ -58,15 +58,9 @@ def test_expand_hostlist_rejects_malformed(expr: str) -> None:
         expand_hostlist(expr)
 
 
-def test_allocation_helpers() -> None:
-    env = {"SLURM_JOB_ID": "7", "SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "2,3"}
-    assert slurm.in_slurm_job(env) and slurm.job_id(env) == "7"
-    assert slurm.gpus_on_node(env) == 2
-    assert slurm.visible_gpus(env) == ["2", "3"]
-    assert not slurm.in_slurm_job({})
-    assert slurm.visible_gpus({}) is None
-    assert slurm.visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
-    assert slurm.gpus_on_node({}) is None
+def test_job_id() -> None:
+    assert slurm.job_id({"SLURM_JOB_ID": "7"}) == "7" and slurm.job_id({"SLURM_JOBID": "8"}) == "8"
+    assert slurm.job_id({}) is None
 
 
 def test_job_nodes_prefers_environment() -> None:

@@ -39,32 +39,6 @@ def job_id(env: Mapping[str, str] | None = None) -> str | None:
     return env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None
 
 
-def in_slurm_job(env: Mapping[str, str] | None = None) -> bool:
-    """True inside a Slurm job (batch script, job step or ``salloc`` shell)."""
-    return job_id(env) is not None
-
-
-def visible_gpus(env: Mapping[str, str] | None = None) -> list[str] | None:
-    """The GPUs Slurm (or the user) assigned to this process, from ``CUDA_VISIBLE_DEVICES``.
-
-    ``None`` when the variable is unset (every card is visible); an empty list when it is set
-    but empty or ``-1`` (no card may be used). Slurm sets it for a job step with ``--gpus``.
-    """
-    env = os.environ if env is None else env
-    value = env.get("CUDA_VISIBLE_DEVICES")
-    if value is None:
-        return None
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    return [] if items in ([], ["-1"]) else items
-
-
-def gpus_on_node(env: Mapping[str, str] | None = None) -> int | None:
-    """How many GPUs Slurm allocated to this job on this node (``SLURM_GPUS_ON_NODE``), if known."""
-    env = os.environ if env is None else env
-    value = env.get("SLURM_GPUS_ON_NODE", "").strip()
-    return int(value) if value.isdigit() else None
-
-
 # ---------------------------------------------------------------------------------------------
 # Host lists
 # ---------------------------------------------------------------------------------------------
