@@ -28,8 +28,8 @@ import yaml
 
 # (threads per rank, batch per rank, rank counts). Not here: 2 ranks of 2 threads on 2 cores. OpenMP's
 # threads spin while they wait, and two such ranks on too few cores slowed to 233 s for the first epoch
-# (4 s alone): contention the projection does not model and a run nobody should make; the report's
-# contention note warns of it.
+# (2 ranks of 1 thread: 2.7-3.0 s per epoch): contention the projection does not model and a run nobody
+# should make; the report's contention note warns of it.
 SETTINGS = ((1, 32, (1, 2, 4)), (1, 8, (1, 2)))
 
 

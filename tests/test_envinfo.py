@@ -47,3 +47,11 @@ def test_report_names_the_arithmetic_differences() -> None:
     assert "cpu_capability (AVX512 in 2 runs, AVX2 in 1 run)" in note and "host (h in 2 runs, g in 1 run)" in note
     assert "cpu_capability change which kernels" in note
     assert "change which kernels" not in environment_note({"a": same, "b": {**same, "host": "g"}})
+
+
+def test_the_reports_numeric_keys_are_keys_env_json_has() -> None:
+    """The report's list of arithmetic-changing keys lives torch-free in report.tables: it must name keys
+    that environment() writes."""
+    from detscale.report.tables import NUMERIC_ENV_KEYS
+
+    assert set(environment("abc123", threads_per_rank=1)) >= NUMERIC_ENV_KEYS

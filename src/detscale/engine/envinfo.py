@@ -16,14 +16,20 @@ import torch
 import detscale
 
 
-def _cpu_model() -> str:
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of the first /proc/cpuinfo line whose key is one of ``keys`` (lower case)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, sep, value = line.partition(":")
+            if sep and key.strip().lower() in keys:
+                return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
@@ -76,15 +82,11 @@ NUMERIC_ENV_VARS = ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_I
 
 def _cpu_isa() -> str | None:
     """The :data:`ISA_FLAGS` the CPU has (``flags`` on x86, ``Features`` on Arm in /proc/cpuinfo)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key = line.split(":", 1)[0].strip().lower()
-            if key in ("flags", "features"):
-                have = set(line.split(":", 1)[1].split())
-                return " ".join(f for f in ISA_FLAGS if f in have)
-    except OSError:
-        pass
-    return None
+    flags = _cpuinfo("flags", "features")
+    if flags is None:
+        return None
+    have = set(flags.split())
+    return " ".join(f for f in ISA_FLAGS if f in have)
 
 
 def _torch_build() -> dict[str, str | None]:
@@ -122,13 +124,6 @@ def numerics() -> dict[str, Any]:
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "numeric_env": {k: os.environ[k] for k in NUMERIC_ENV_VARS if k in os.environ},
     }
-
-
-# The env.json keys that change the arithmetic of a run (its float results), not only its speed.
-NUMERIC_KEYS = frozenset({"torch", "numpy", "torchvision", "opencv", "cpu_capability", "cpu_isa", "blas", "mkl",
-                          "onednn", "torch_threads", "mkldnn_enabled", "tf32_matmul", "tf32_cudnn",
-                          "float32_matmul_precision", "deterministic_algorithms", "numeric_env", "gpu_model",
-                          "cuda", "cudnn", "threads_per_rank"})
 
 
 def environment(config_hash: str, threads_per_rank: int | None) -> dict[str, Any]:

@@ -79,13 +79,8 @@ def device_note(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfi
             "\"GPUs\" are CPU ranks.")
 
 
-# env.json keys that differ between runs by design (a run's own rank count and config).
-PER_RUN_ENV_KEYS = frozenset({"world_size", "rank_hosts", "config_hash", "config_digest", "cuda_visible_devices",
-                              "slurm_job_id"})
-
-
 def environment_differences(envs: Mapping[str, Mapping[str, Any]],
-                            ignore: frozenset[str] = PER_RUN_ENV_KEYS) -> dict[str, dict[str, list[str]]]:
+                            ignore: frozenset[str] = tables.PER_RUN_ENV_KEYS) -> dict[str, dict[str, list[str]]]:
     """The env.json keys whose values differ between runs: key -> value -> the runs that had it."""
     keys = {k for env in envs.values() for k in env} - ignore
     out: dict[str, dict[str, list[str]]] = {}
@@ -116,14 +111,12 @@ def describe_differences(differ: Mapping[str, Mapping[str, Sequence[str]]], limi
 def environment_note(envs: Mapping[str, Mapping[str, Any]]) -> str | None:
     """A warning when the runs were measured with different software or hardware; it names the keys and
     their values, and says when they are ones that change the arithmetic itself."""
-    from detscale.engine.envinfo import NUMERIC_KEYS
-
     differ = environment_differences(envs)
     if not differ:
         return None
     text = ("The runs' environments differ in " + describe_differences(differ) + " (see Environment): numbers of "
             "different software or hardware are compared; re-run the grid in one environment for a clean comparison.")
-    numeric = sorted(set(differ) & NUMERIC_KEYS)
+    numeric = sorted(set(differ) & tables.NUMERIC_ENV_KEYS)
     if numeric:
         text += (" " + ", ".join(numeric) + " change which kernels compute the same operations and how they round: "
                  "runs of one seed then follow different trajectories, so their mAP differs by more than one "

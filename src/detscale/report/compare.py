@@ -56,8 +56,9 @@ SPREADS: tuple[Spread, ...] = (
            "allocator and resident-set noise"),
 )
 
-# env.json keys that differ between any two runs and say nothing about the numbers.
-IGNORED_ENV_KEYS = frozenset({"config_hash", "config_digest", "cuda_visible_devices", "slurm_job_id", "git_dirty"})
+# env.json keys that differ between any two runs and say nothing about the numbers: the report's per-run
+# keys, and whether the source tree had uncommitted changes.
+IGNORED_ENV_KEYS = tables.PER_RUN_ENV_KEYS | {"git_dirty"}
 # config.yaml keys that name where a run's inputs lay, not what it computed.
 IGNORED_CONFIG_KEYS = frozenset({"data_yaml", "cache_dir"})
 
@@ -123,18 +124,10 @@ def parse_spread(text: str, spreads: Sequence[Spread] = SPREADS) -> tuple[str, f
     return column, tolerance
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, Mapping):
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: data}
-
-
 def _changes(a: Mapping[str, Any], b: Mapping[str, Any], ignore: frozenset[str]) -> list[tuple[str, Any, Any]]:
-    fa, fb = _flatten(a), _flatten(b)
-    keys = sorted((set(fa) | set(fb)) - {k for k in set(fa) | set(fb) if k.split(".")[0] in ignore or k in ignore})
+    """The flattened keys whose values differ, leaving out those under an ``ignore``d top-level key."""
+    fa, fb = tables.flatten(a), tables.flatten(b)
+    keys = sorted(k for k in set(fa) | set(fb) if k.split(".")[0] not in ignore)
     return [(k, fa.get(k), fb.get(k)) for k in keys if fa.get(k) != fb.get(k)]
 
 
@@ -206,8 +199,8 @@ def _difference(q: Mapping[str, Any]) -> str:
     return f"{q['difference']:+.1%}" if q["relative"] else f"{q['difference']:+.3f}"
 
 
-def _tolerance(q: Mapping[str, Any]) -> str:
-    return f"±{q['tolerance']:.0%}" if q["relative"] else f"±{q['tolerance']:.3f}"
+def _tolerance(tolerance: float, relative: bool) -> str:
+    return f"±{tolerance:.0%}" if relative else f"±{tolerance:.3f}"
 
 
 def summary(result: Comparison) -> str:
@@ -226,7 +219,7 @@ def summary(result: Comparison) -> str:
     elif exceeded:
         lines.append(f"  {len(exceeded)} difference(s) beyond the stated spread:")
         lines += [f"    {run}: {q['label']} {_fmt(q['a'])} -> {_fmt(q['b'])} ({_difference(q)}, spread "
-                  f"{_tolerance(q)})" for run, q in exceeded]
+                  f"{_tolerance(q['tolerance'], q['relative'])})" for run, q in exceeded]
     else:
         lines.append("  every measured quantity is within its stated spread: reproduced")
     for name, ids in (("only in A", result.only_a), ("only in B", result.only_b)):
@@ -243,8 +236,7 @@ def markdown(result: Comparison) -> str:
            "Runs matched by run id. A quantity 'exceeds' when |B/A − 1| (relative) or |B − A| (absolute) is larger "
            "than the spread stated for it below; 'within' means the run was reproduced in that quantity.", "",
            "| quantity | spread | why this spread |", "|---|---|---|"]
-    out += [f"| {s.label} | {'±' + format(s.tolerance, '.0%') if s.relative else '±' + format(s.tolerance, '.3f')} "
-            f"| {s.why} |" for s in result.spreads]
+    out += [f"| {s.label} | {_tolerance(s.tolerance, s.relative)} | {s.why} |" for s in result.spreads]
     for pair in result.pairs:
         out += ["", f"## {pair.run_id}", ""]
         if pair.config_changes:
@@ -254,8 +246,10 @@ def markdown(result: Comparison) -> str:
             out += ["Environment differs:", ""]
             out += [f"- `{k}`: {_fmt(a)} → {_fmt(b)}" for k, a, b in pair.env_changes] + [""]
         out += ["| quantity | A | B | difference | spread | verdict |", "|---|---:|---:|---:|---:|---|"]
-        out += [f"| {q['label']} | {_fmt(q['a'])} | {_fmt(q['b'])} | {_difference(q)} | {_tolerance(q)} | "
-                f"{'**exceeds**' if q['verdict'] == 'exceeds' else q['verdict']} |" for q in pair.quantities]
+        for q in pair.quantities:
+            verdict = "**exceeds**" if q["verdict"] == "exceeds" else q["verdict"]
+            out.append(f"| {q['label']} | {_fmt(q['a'])} | {_fmt(q['b'])} | {_difference(q)} | "
+                       f"{_tolerance(q['tolerance'], q['relative'])} | {verdict} |")
     for name, ids in (("Only in A", result.only_a), ("Only in B", result.only_b)):
         if ids:
             out += ["", f"## {name}", "", *(f"- {i}" for i in ids)]

@@ -53,20 +53,9 @@ def image(path: Path, caption: str) -> str:
             f"<figcaption>{_e(caption)}</figcaption></figure>")
 
 
-def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
-
-
 def environment_table(envs: Mapping[str, Mapping[str, Any]]) -> str:
     """env.json of every run: one column per run, or one value column when all runs agree."""
-    flat = {run: _flatten(env) for run, env in envs.items()}
+    flat = {run: tables.flatten(env) for run, env in envs.items()}
     keys = sorted({k for env in flat.values() for k in env})
     runs = list(flat)
     same = all(len({repr(flat[r].get(k)) for r in runs}) == 1 for k in keys)
@@ -169,7 +158,7 @@ def communication_section(comm: Sequence[Mapping[str, Any]], projections: Sequen
                      f"({_e(p.inter.source)}).</p>")
         header, body = checks_table(p.checks)
         parts.append(f"<p>{_e(INTERVAL_METHOD)}</p>")
-        parts.append(table(header, [[cell.replace("**", "") for cell in row] for row in body]))
+        parts.append(table(header, body))
         gpn = sorted({x.gpus_per_node for x in p.grid})
         body = []
         for m in sorted({x.nodes for x in p.grid}):

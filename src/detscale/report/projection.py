@@ -158,6 +158,11 @@ class Projected:
     cpu_bound: bool
     images_per_s: float
     efficiency: float
+    #: a rank's own work per batch, split as the step breakdown measures it (s): forward + backward,
+    #: optimiser, data wait and other; their sum is the own-work part of the step
+    fwd_bwd_s: float = math.nan
+    optimizer_s: float = math.nan
+    rest_s: float = math.nan
 
     @property
     def gpus(self) -> int:
@@ -195,8 +200,11 @@ def project(base: Baseline, buckets: Sequence[int], gpus_per_node: int, nodes: i
     step = max(own + exposed, cpu_bound)
     ips = n * batch / step
     ips1 = base.batch / base.step_s
+    fwd_bwd = base.forward_s + base.backward_s
     return Projected(gpus_per_node, nodes, step, max(own, cpu_bound), exposed, cpu_bound > own + exposed,
-                     ips, ips / (n * ips1))
+                     ips, ips / (n * ips1), fwd_bwd_s=fwd_bwd * f * c,
+                     optimizer_s=(base.optimizer_s + extra_optimizer) * f * c,
+                     rest_s=(base.step_s - fwd_bwd - base.optimizer_s) * f * c)
 
 
 @dataclass(frozen=True)
@@ -284,16 +292,21 @@ def slower(fabric: Fabric, factor: float) -> Fabric:
     return Fabric(fabric.name, fabric.latency_s * factor, fabric.busbw_Bps / factor, fabric.source)
 
 
+def _measured_for(by_ranks: Mapping[int, Any], ranks: int, default: Any) -> Any:
+    """The value measured for ``ranks``, else for the largest count measured below it; ``default`` for one
+    rank or when nothing at or below ``ranks`` was measured."""
+    below = [k for k in by_ranks if k <= ranks]
+    return by_ranks[max(below)] if ranks >= 2 and below else default
+
+
 def contention_for(slowdown: Mapping[int, float], ranks: int) -> float:
     """The slowdown of ``ranks`` busy ranks: measured for that count, else the largest count measured below it."""
-    below = [k for k in slowdown if k <= ranks]
-    return slowdown[max(below)] if ranks >= 2 and below else 1.0
+    return _measured_for(slowdown, ranks, 1.0)
 
 
 def contention_range_for(ranges: Mapping[int, tuple[float, float]], ranks: int) -> tuple[float, float]:
     """:func:`contention_for` of the probe's (lowest, highest) round."""
-    below = [k for k in ranges if k <= ranks]
-    return ranges[max(below)] if ranks >= 2 and below else (1.0, 1.0)
+    return _measured_for(ranges, ranks, (1.0, 1.0))
 
 
 def _comm_for(comm: Sequence[Mapping[str, Any]], model: str, imgsz: int) -> list[Mapping[str, Any]]:
@@ -372,20 +385,14 @@ def check_point(base: Baseline, buckets: Sequence[int], gpus: int, rows: Sequenc
     slow = project(base.scaled(hi_step), buckets, gpus, 1, slower(fabric, hi_comm), inter, max(hi_c, contention))
     measured = statistics.median(float(r["images_per_s"]) for r in rows)
 
-    # The step's terms (ms per batch), projected as `project` composes them and measured by the breakdown.
-    batch = base.batch if base.scaling == "weak" else max(base.batch // gpus, 1)
-    f = batch / base.batch
-    c = contention if gpus > 1 else 1.0
-    optimizer = base.optimizer_s + base.optimizer_s * (base.accumulate / base.accumulate_for(gpus, batch) - 1)
-    fwd_bwd = base.forward_s + base.backward_s
+    # The step's terms (ms per batch): projected as `project` composed them, measured by the breakdown.
     m_fb = _median_of(rows, "forward_ms") + _median_of(rows, "backward_ms")
     m_comm, m_opt, m_step = (_median_of(rows, k) for k in ("comm_ms", "optimizer_ms", "step_ms"))
     terms = (
-        ("compute under contention (forward + backward)", 1000 * fwd_bwd * f * c, m_fb),
+        ("compute under contention (forward + backward)", 1000 * point.fwd_bwd_s, m_fb),
         ("exposed communication", 1000 * point.exposed_comm_s, m_comm),
-        ("optimiser share", 1000 * optimizer * f * c, m_opt),
-        ("data wait and other", 1000 * (base.step_s - fwd_bwd - base.optimizer_s) * f * c,
-         m_step - m_fb - m_comm - m_opt),
+        ("optimiser share", 1000 * point.optimizer_s, m_opt),
+        ("data wait and other", 1000 * point.rest_s, m_step - m_fb - m_comm - m_opt),
     )
     return Check(gpus, measured, point.images_per_s, min(slow.images_per_s, fast.images_per_s),
                  max(slow.images_per_s, fast.images_per_s), terms, point.cpu_bound, _oversubscribed(rows))
@@ -396,7 +403,7 @@ def checks_table(checks: Sequence[Check]) -> tuple[list[str], list[list[str]]]:
     header = ["measured GPUs", "measured img/s", "projected img/s (interval)", "error", "inside the interval",
               "if not: the term that is off"]
     body = [[f"{k.gpus}{' (oversubscribed)' if k.oversubscribed else ''}", f"{k.measured:.1f}",
-             f"{k.projected:.1f} ({k.low:.1f}–{k.high:.1f})", f"{k.error:+.1%}", "yes" if k.inside else "**no**",
+             f"{k.projected:.1f} ({k.low:.1f}–{k.high:.1f})", f"{k.error:+.1%}", "yes" if k.inside else "no",
              k.off_term() or "—"] for k in checks]
     return header, body
 
@@ -425,6 +432,7 @@ def markdown(projections: Sequence[GroupProjection], skipped: Sequence[str]) -> 
                   + (f" The 1-GPU run accumulated {p.accumulate} batches per optimiser step: fewer at more GPUs, "
                      "so the optimiser's share of a batch grows." if p.accumulate > 1 else ""), ""]
         header, body = checks_table(p.checks)
+        body = [[f"**{cell}**" if cell == "no" else cell for cell in row] for row in body]  # a miss stands out
         lines += [INTERVAL_METHOD, "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
                   *("| " + " | ".join(row) + " |" for row in body)]
         gpn = sorted({x.gpus_per_node for x in p.grid})

@@ -56,6 +56,29 @@ COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 GB = 1e9  # peak memory is reported in GB (10^9 bytes)
 
 
+# env.json keys that differ between runs by design (a run's own rank count and config).
+PER_RUN_ENV_KEYS = frozenset({"world_size", "rank_hosts", "config_hash", "config_digest", "cuda_visible_devices",
+                              "slurm_job_id"})
+# The env.json keys that change the arithmetic of a run (its float results), not only its speed: the
+# libraries, and what detscale.engine.envinfo.numerics() records (kept here, torch-free, for the report).
+NUMERIC_ENV_KEYS = frozenset({"torch", "numpy", "torchvision", "opencv", "cpu_capability", "cpu_isa", "blas", "mkl",
+                              "onednn", "torch_threads", "mkldnn_enabled", "tf32_matmul", "tf32_cudnn",
+                              "float32_matmul_precision", "deterministic_algorithms", "numeric_env", "gpu_model",
+                              "cuda", "cudnn", "threads_per_rank"})
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level of dotted keys (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
 class ReportError(UserError):
     """A run folder that cannot be reported; the message names the file and the fix."""
 
