@@ -99,11 +99,9 @@ def test_cuda_paths_nccl_group_and_two_ranks_on_one_card(tmp_path: Path) -> None
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_optimisers_are_fused_on_cuda_only() -> None:
+def test_optimisers_are_fused_on_cuda() -> None:
     from detscale.engine.optim import build_optimizer
 
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).cuda()
     for name in ("sgd", "adamw"):
-        assert not build_optimizer(net, name, 1e-3, 0.9, 5e-4).defaults.get("fused")
-        assert build_optimizer(net.cuda(), name, 1e-3, 0.9, 5e-4).defaults["fused"] is True
-        net.cpu()
+        assert build_optimizer(net, name, 1e-3, 0.9, 5e-4).defaults["fused"] is True

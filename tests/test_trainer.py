@@ -204,9 +204,46 @@ def test_ema_multi_tensor_update_equals_the_per_tensor_formula_bit_for_bit() -> 
     assert counters and all(int(c) == 3 for c in counters)
 
 
-def test_optimisers_keep_the_default_implementation_on_the_cpu() -> None:
-    for name in ("sgd", "adamw"):  # fused kernels are for CUDA parameters (tests/test_gpu_check.py)
-        assert not build_optimizer(_net(), name, lr=1e-3, momentum=0.9, weight_decay=0.0).defaults.get("fused")
+def test_ema_reads_a_new_model_and_refuses_another_structure() -> None:
+    net = _net()
+    ema = ModelEMA(net, decay=0.5, tau=1e-9)  # decay 0.5 from the first update
+    ema.update(net)
+    other = _net()  # same structure, other weights: the tensor lists kept for `net` must not be used
+    with torch.no_grad():
+        for p in other.parameters():
+            p.fill_(4.0)
+    before = [p.clone() for p in ema.module.parameters()]
+    ema.update(other)
+    for avg, old in zip(ema.module.parameters(), before, strict=True):
+        assert torch.allclose(avg, old * 0.5 + 4.0 * 0.5)
+    with pytest.raises(ValueError, match="structure"):
+        ema.update(nn.Sequential(nn.Conv2d(3, 4, 3)))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_optimisers_are_fused_where_torch_can_and_agree_with_the_default(name: str) -> None:
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    torch.manual_seed(0)
+    fast, slow = _net(), _net()
+    slow.load_state_dict(fast.state_dict())
+    fused = build_optimizer(fast, name, lr=1e-2, momentum=0.9, weight_decay=5e-4)
+    assert bool(fused.defaults.get("fused")) == ("cpu" in _get_fused_kernels_supported_devices())
+    # the same groups and options over the twin's parameters, without `fused`
+    name_of = {id(p): n for n, p in fast.named_parameters()}
+    twin = dict(slow.named_parameters())
+    cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+    default = cls([{k: v for k, v in g.items() if k not in ("fused", "foreach", "params")}
+                   | {"params": [twin[name_of[id(p)]] for p in g["params"]]} for g in fused.param_groups])
+    for step in range(10):
+        torch.manual_seed(step)
+        for p, q in zip(fast.parameters(), slow.parameters(), strict=True):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        fused.step()
+        default.step()
+    for p, q in zip(fast.parameters(), slow.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
 
 
 def test_atomic_save_never_leaves_partial_files(tmp_path: Path) -> None:
