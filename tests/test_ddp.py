@@ -122,17 +122,17 @@ def _equivalence_worker(rank: int, world: int, store: str, cfg_path: str, data_y
 
     ``step`` = the expected (global batch, accumulate, batches per epoch) of this world size.
     """
-    import detscale.engine.trainer as trainer
+    import detscale.engine.loop as loop
     from detscale import config, dist
+    from detscale.engine.loop import LoopState, train_one_epoch
     from detscale.engine.semantics import derive_semantics
-    from detscale.engine.timing import RankTiming
-    from detscale.engine.trainer import Progress, StopFlag, build_loaders, build_parts, train_one_epoch
+    from detscale.engine.trainer import Progress, build_loaders, build_parts
 
     _join(rank, world, store)
     # float64 throughout: in float32 this deep network's gradients already differ by ~1e-4 relative
     # between two summation orders, which after 5 steps would hide (or fake) a semantic difference.
     torch.set_default_dtype(torch.float64)
-    trainer.to_input = lambda imgs, device, channels_last: imgs.to(device).double().div_(255)
+    loop.to_input = lambda imgs, device, channels_last: imgs.to(device).double().div_(255)
     try:
         info = dist.init_from_env(120, cpu_threads=1)
         cfg = config.load(cfg_path)
@@ -141,7 +141,7 @@ def _equivalence_worker(rank: int, world: int, store: str, cfg_path: str, data_y
         parts = build_parts(point, 6, sem, cfg.train, info)
         loader, _ = build_loaders(point, cfg, Path(data_yaml), None, sem, info, with_val=False)
         assert (sem.global_batch, sem.accumulate, len(loader)) == step
-        result = train_one_epoch(parts, loader, 0, Progress(), sem, cfg.train, info.device, RankTiming(0), StopFlag())
+        result = train_one_epoch(LoopState(parts, loader, sem, cfg.train, info.device, Progress()), 0)
         assert result.complete and parts.ema.updates == 5
         state = {"model": parts.raw.state_dict(), "ema": parts.ema.state_dict(), "losses": result.losses}
         torch.save(state, f"{out}.rank{rank}")

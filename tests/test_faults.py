@@ -290,11 +290,11 @@ def test_mutated_configs_through_the_commands(tmp_path: Path) -> None:
 
 STOPPER = """\
 import os, signal, sys
-import detscale.engine.trainer as trainer
+import detscale.engine.loop as loop
 
 # Rank 1 of the first attempt stops (SIGSTOP: alive, silent) in its 6th batch, in epoch 2.
 if os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-    original, calls = trainer.train_step, [0]
+    original, calls = loop.train_step, [0]
 
     def train_step(*args, **kwargs):
         calls[0] += 1
@@ -302,7 +302,7 @@ if os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0
             os.kill(os.getpid(), signal.SIGSTOP)
         return original(*args, **kwargs)
 
-    trainer.train_step = train_step
+    loop.train_step = train_step
 
 from detscale.cli import main
 

@@ -137,12 +137,12 @@ def test_resume_refuses_another_config(tmp_path: Path, data_yaml: Path) -> None:
 
 KILLER = """\
 import os, signal, sys
-import detscale.engine.trainer as trainer
+import detscale.engine.loop as loop
 from detscale.engine.checkpoint import CheckpointError, load_checkpoint
 
 # Rank 1 of the first attempt dies with SIGKILL in its {kill_at}th batch (the middle of epoch 2).
 if os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-    original, calls = trainer.train_step, [0]
+    original, calls = loop.train_step, [0]
 
     def train_step(*args, **kwargs):
         calls[0] += 1
@@ -150,7 +150,7 @@ if os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0
             os.kill(os.getpid(), signal.SIGKILL)
         return original(*args, **kwargs)
 
-    trainer.train_step = train_step
+    loop.train_step = train_step
 
 from detscale.cli import main
 

@@ -1,9 +1,9 @@
 """The training loop every rank runs: one code path for 1 to N processes, CPU or GPU.
 
-Reading order: :func:`train` (set up, loop over epochs, finish) -> :func:`train_one_epoch`
-(loop over batches) -> :func:`train_step` (forward and backward of one batch) and
-:func:`optimizer_step` (after ``accumulate`` batches) -> :func:`validate` (optional, every
-``val_interval`` epochs, on the EMA model).
+Reading order: :func:`train` (set up, loop over epochs, finish) ->
+:func:`~detscale.engine.loop.train_one_epoch` (loop over batches, watched by hooks: timing, the
+progress bar, the stop vote) -> :func:`validate` (optional, every ``val_interval`` epochs, on the
+EMA model).
 
 Semantics (stated in every run's ``config.yaml``, see :mod:`detscale.engine.semantics`):
 
@@ -38,7 +38,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -55,18 +54,12 @@ from detscale.engine.buffers import SequentialBufferMerge
 from detscale.engine.checkpoint import checkpoint_dict, find_resume_checkpoint, restore, save_last
 from detscale.engine.ddp import CommProbe, wrap_ddp
 from detscale.engine.ema import ModelEMA
-from detscale.engine.optim import (
-    apply_warmup,
-    build_optimizer,
-    build_scheduler,
-    lr_factor,
-    warmup_accumulate,
-    warmup_iterations,
-)
+from detscale.engine.loop import LoopState, standard_hooks, train_one_epoch
+from detscale.engine.optim import build_optimizer, build_scheduler
 from detscale.engine.semantics import TrainSemantics, config_digest, derive_semantics
 from detscale.engine.state import Parts, Progress, RunPaths, RunState
 from detscale.engine.stopflag import StopFlag
-from detscale.engine.timing import RankTiming, StepTimer, peak_memory, timing_report
+from detscale.engine.timing import RankTiming, peak_memory, timing_report
 from detscale.errors import EXIT_PREEMPTED, UserError
 from detscale.files import save_torch, write_json
 
@@ -93,153 +86,8 @@ class TrainRequest:
 
 
 # ---------------------------------------------------------------------------------------------
-# The steps
+# Validation
 # ---------------------------------------------------------------------------------------------
-
-
-def to_input(imgs: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
-    """uint8 batch -> float [0, 1] on the device (uint8 over the bus: 4x less traffic)."""
-    x = imgs.to(device, non_blocking=True).float().div_(255)
-    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
-
-
-def train_step(
-    model: nn.Module,
-    loss_fn: Any,
-    scaler: torch.amp.GradScaler,
-    x: torch.Tensor,
-    targets: torch.Tensor,
-    world_size: int,
-    amp_dtype: torch.dtype | None,
-    timer: StepTimer | None = None,
-) -> torch.Tensor:
-    """Forward and backward of one batch on this rank; returns the detached (box, cls, dfl) items.
-
-    Gradients accumulate in ``.grad``; the optimiser steps separately (:func:`optimizer_step`).
-    ``timer`` (when given) is marked after the forward and after the backward.
-    """
-    with torch.autocast(x.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        preds = model(x)
-        loss, items = loss_fn(preds, targets.to(x.device, non_blocking=True))
-    if timer is not None:
-        timer.mark()
-    # DDP averages gradients over ranks: x world size makes the step's gradient the ranks' sum.
-    scaler.scale(loss * world_size).backward()
-    if timer is not None:
-        timer.mark()
-    return items.detach().float()
-
-
-def optimizer_step(parts: Parts, clip_grad_norm: float) -> None:
-    """Unscale, clip, step, zero the gradients; update the EMA."""
-    parts.scaler.unscale_(parts.optimizer)
-    if clip_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(parts.raw.parameters(), max_norm=clip_grad_norm)
-    parts.scaler.step(parts.optimizer)
-    parts.scaler.update()
-    parts.optimizer.zero_grad(set_to_none=True)
-    parts.ema.update(parts.raw)
-
-
-@dataclass
-class EpochResult:
-    losses: list[float]  # mean (box, cls, dfl) over the epoch's batches, summed over ranks
-    seconds: float
-    stopped: bool  # every rank agreed to stop (a signal arrived)
-    step: int  # batches done in this epoch
-    complete: bool  # all the epoch's batches were trained
-
-
-def train_one_epoch(
-    parts: Parts,
-    loader: Any,
-    epoch: int,
-    progress: Progress,
-    sem: TrainSemantics,
-    tcfg: TrainConfig,
-    device: torch.device,
-    timing: RankTiming,
-    stop: StopFlag,
-) -> EpochResult:
-    """Train the batches of ``epoch`` from ``progress.step`` on; stops early when every rank agrees to."""
-    from tqdm import tqdm
-
-    from detscale.data.loader import set_epoch
-
-    set_epoch(loader, epoch, mosaic=epoch < sem.epochs - sem.close_mosaic)
-    parts.model.train()
-    nb = len(loader)
-    warmup_iters = warmup_iterations(tcfg.warmup_epochs, nb, sem.epochs)
-    factor = lr_factor(sem.lr_schedule, sem.epochs, tcfg.lrf)(epoch)
-    from detscale.data.loader import worker_cpu_seconds
-
-    workers_cpu = worker_cpu_seconds(loader)  # persistent workers: their CPU time so far
-    batches = iter(loader)
-    images = 0
-    for _ in range(progress.step):  # mid-epoch resume: the same batches, already trained on
-        next(batches)
-    # on the device: no copy to the host per step (read for the progress bar every few seconds)
-    loss_sum = torch.tensor(progress.loss_sum, dtype=torch.float64, device=device)
-    timer = StepTimer(device, timing, breakdown=tcfg.step_breakdown)
-    if parts.comm_probe is not None:
-        parts.comm_probe.on_ready = timer.comm_ready
-    timer.start_epoch()
-    t_epoch = time.perf_counter() - progress.epoch_seconds_done
-    bar = tqdm(total=nb, initial=progress.step, desc=f"epoch {epoch + 1}/{sem.epochs}", unit="batch",
-               disable=not dist.is_main(), leave=False, mininterval=1.0, file=sys.stderr)
-    shown = time.perf_counter()
-    i, stopped = progress.step, False
-    last_step = i - 1  # batch of the last optimiser step (a resumed epoch starts at a step boundary)
-    while i < nb:
-        timer.begin_data()
-        imgs, targets, _metas = next(batches)
-        timer.end_data()
-        iteration = epoch * nb + i
-        accumulate = sem.accumulate
-        if iteration < warmup_iters:
-            apply_warmup(parts.optimizer, iteration, warmup_iters, factor, tcfg.warmup_bias_lr,
-                         tcfg.warmup_momentum, tcfg.momentum)
-            if sem.warmup_accumulate == "ramp":
-                accumulate = warmup_accumulate(iteration, warmup_iters, sem.accumulate)
-        boundary = i - last_step >= accumulate or i == nb - 1
-        # Between optimiser steps the gradient all-reduce is skipped: DDP reduces the sum once.
-        sync = contextlib.nullcontext() if boundary or sem.world_size == 1 else parts.model.no_sync()
-        before = parts.buffers.snapshot() if parts.buffers is not None else None
-        with sync:
-            items = train_step(parts.model, parts.loss_fn, parts.scaler, to_input(imgs, device, sem.channels_last),
-                               targets, sem.world_size, parts.amp_dtype, timer)
-        if parts.buffers is not None:
-            parts.buffers.merge(before)
-        if boundary:
-            optimizer_step(parts, tcfg.clip_grad_norm)
-            last_step = i
-        timer.end_step(len(imgs))
-        images += len(imgs)
-        loss_sum += items
-        i += 1
-        bar.update(1)
-        if dist.is_main() and (time.perf_counter() - shown > 2.0 or i == nb):
-            # an estimate of the global value from this rank's batches
-            box, cls, dfl = (loss_sum * (sem.world_size if parts.loss_fn.global_normaliser else 1) / i).tolist()
-            bar.set_postfix_str(f"box={box:.3f} cls={cls:.3f} dfl={dfl:.3f}")
-            shown = time.perf_counter()
-        if boundary and stop.agreed(device):
-            stopped = True
-            break
-    timer.flush()
-    bar.close()
-    if (cpu := worker_cpu_seconds(loader)) is not None:
-        # new workers (first epoch, after a resume) start from 0
-        timing.loader_cpu_seconds += cpu - (workers_cpu if workers_cpu is not None and cpu >= workers_cpu else 0.0)
-        timing.loader_images += images
-    seconds = time.perf_counter() - t_epoch
-    progress.step, progress.loss_sum, progress.epoch_seconds_done = i, loss_sum.cpu().tolist(), seconds
-    # Items are this rank's batch loss (local normaliser: the mean over ranks is the global value)
-    # or its share of the global-batch loss (global normaliser: the sum is). The sum travels on
-    # the device: NCCL has no CPU tensors (gloo takes either).
-    shares = parts.loss_fn.global_normaliser
-    mean = dist.all_reduce_sum(loss_sum.clone()).cpu() / (max(i, 1) * (1 if shares else sem.world_size))
-    return EpochResult(mean.tolist(), seconds, stopped, i, complete=i == nb)
 
 
 def validate(
@@ -510,10 +358,11 @@ def _epochs(run: RunState) -> bool:
     def checkpoint() -> dict[str, Any] | None:
         return checkpoint_dict(parts, progress, run.point, run.nc, run.digest, sem, timing)
 
+    loop = LoopState(parts, run.train_loader, sem, cfg.train, run.info.device, progress)
+    hooks = standard_hooks(loop, timing, run.stop)
     while progress.epoch < sem.epochs:
         epoch = progress.epoch
-        result = train_one_epoch(parts, run.train_loader, epoch, progress, sem, cfg.train, run.info.device, timing,
-                                 run.stop)
+        result = train_one_epoch(loop, epoch, hooks)
         if not result.complete:
             save = checkpoint()
             if save is not None:
