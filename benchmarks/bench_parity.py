@@ -354,7 +354,7 @@ def initial_weights(args: argparse.Namespace, nc: int, seed: int, work: Path) ->
     models hold under different names); the architectures are equal layer for layer
     (tests/test_oracles.py), so the list loads into ``yolov9t.yaml`` by position.
     """
-    from detscale.engine.trainer import initial_model
+    from detscale.engine.build import initial_model
 
     path = work / "init" / f"{args.model}_nc{nc}_s{seed}.pt"
     if not path.is_file():  # two invocations (one per --trainers) may write it at once: a unique temp file each

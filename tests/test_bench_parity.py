@@ -88,7 +88,7 @@ def test_initial_weights_start_the_reference_model_where_detscale_starts(bench, 
     import torch
     from ultralytics.nn.tasks import DetectionModel
 
-    from detscale.engine.trainer import initial_model
+    from detscale.engine.build import initial_model
 
     args = argparse.Namespace(model="gelan-t-detect")
     path = bench.initial_weights(args, 6, 3, tmp_path)

@@ -124,9 +124,10 @@ def _equivalence_worker(rank: int, world: int, store: str, cfg_path: str, data_y
     """
     import detscale.engine.loop as loop
     from detscale import config, dist
+    from detscale.engine.build import build_loaders, build_parts
     from detscale.engine.loop import LoopState, train_one_epoch
     from detscale.engine.semantics import derive_semantics
-    from detscale.engine.trainer import Progress, build_loaders, build_parts
+    from detscale.engine.state import Progress
 
     _join(rank, world, store)
     # float64 throughout: in float32 this deep network's gradients already differ by ~1e-4 relative

@@ -22,12 +22,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from detscale import config, dist
 from detscale.data.formats import load_spec
+from detscale.engine.build import build_loaders, build_parts
 from detscale.engine.loop import LoopState, optimizer_step, standard_hooks, to_input, train_one_epoch, train_step
 from detscale.engine.semantics import derive_semantics
 from detscale.engine.state import Progress
 from detscale.engine.stopflag import StopFlag
 from detscale.engine.timing import RankTiming
-from detscale.engine.trainer import build_loaders, build_parts
 from gpukit.kit import Kit, Sizes, data_paths, device, experiment
 
 

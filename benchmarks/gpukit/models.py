@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from detscale.engine.trainer import AMP_DTYPES
+from detscale.engine.build import AMP_DTYPES
 from detscale.loss import DetectionLoss
 from detscale.model import build_model, fuse_for_inference, postprocess
 from gpukit.kit import Sizes, device, sync

@@ -9,9 +9,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from detscale import dist
+from detscale.engine.build import build_parts
 from detscale.engine.loop import to_input
 from detscale.engine.semantics import derive_semantics
-from detscale.engine.trainer import build_parts
 from gpukit.kit import Kit, Sizes, data_paths, device, experiment, sync
 from gpukit.models import fake_targets
 

@@ -13,12 +13,12 @@ import torch
 from detscale import dist
 from detscale.config import TrainConfig
 from detscale.data.formats import load_spec
+from detscale.engine.build import build_loaders, build_parts
 from detscale.engine.loop import Hook, LoopState, standard_hooks, train_one_epoch
 from detscale.engine.semantics import TrainSemantics, derive_semantics
 from detscale.engine.state import Parts, Progress
 from detscale.engine.stopflag import StopFlag
 from detscale.engine.timing import RankTiming
-from detscale.engine.trainer import build_loaders, build_parts
 from gpukit.kit import Kit, Sizes, data_paths, device, experiment, sync
 
 
