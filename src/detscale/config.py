@@ -436,7 +436,7 @@ def save(cfg: ExperimentConfig, path: str | Path, extra: Mapping[str, Any] | Non
 
 
 def reference_rows(schema: Mapping[str, Any] | None = None, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(key, type, default, description) for every leaf key of the schema: the README's reference."""
+    """(key, type, default, description) for every leaf key of the schema: config/README.md's reference."""
     schema = load_schema() if schema is None else schema
     rows: list[tuple[str, str, str, str]] = []
     for name, sub in schema.get("properties", {}).items():
@@ -459,7 +459,7 @@ def reference_rows(schema: Mapping[str, Any] | None = None, prefix: str = "") ->
 
 
 def reference_markdown() -> str:
-    """The README's configuration reference table, generated from the schema."""
+    """The configuration reference table of config/README.md, generated from the schema."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     lines += [f"| `{k}` | {t} | `{d}` | {m} |" for k, t, d, m in reference_rows()]
     return "\n".join(lines)
