@@ -41,14 +41,13 @@ class ModelEMA:
     def update(self, model: nn.Module) -> None:
         """One step towards ``model`` (the unwrapped training model, of the EMA's structure).
 
-        The floating-point tensors move in two multi-tensor (``_foreach``) kernels. Both models'
-        tensor lists are built once (for the model last seen; a model's tensors are updated in
-        place by the optimiser, DDP and ``load_state_dict``): walking ``parameters()`` and
-        ``buffers()`` of two models every step cost more than the arithmetic: 9-11 ms per update
-        for gelan-t on one CPU thread, against 3.4 ms with the lists kept
-        (benchmarks/bench_step.py). The per-tensor loop over two state dicts before that cost ~900
-        kernel launches and ~6,000 ``detach`` calls per step: 57 ms of a 232 ms YOLOv9-S step on an
-        H200 (benchmarks/gpu_check.py). Same arithmetic throughout, bit-identical results.
+        The floating-point tensors move in two multi-tensor (``_foreach``) kernels: a per-tensor
+        loop would launch ~900 kernels a step on a GPU (57 ms of a 232 ms YOLOv9-S step on an
+        H200, docs/gpu-results.md). Both models' tensor lists are built once, for the model last
+        seen (its tensors are updated in place by the optimiser, DDP and ``load_state_dict``):
+        walking ``parameters()`` and ``buffers()`` of two models costs more than the arithmetic,
+        9-11 ms against 3.4 ms per update for gelan-t on one CPU thread (benchmarks/bench_step.py).
+        Bit-identical to the per-tensor formula (tested).
         """
         if self._source() is not model:
             values, counters = _split(model)
