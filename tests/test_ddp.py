@@ -296,6 +296,11 @@ def test_full_two_rank_run_identical_ranks_and_rank0_writes(tmp_path: Path, data
     assert timing["loader_cpu_ms_per_image"] > 0  # 1 worker per rank
     assert len(timing["epoch_seconds"]) == 2 and timing["val_seconds"] > 0
     assert all(m > 0 for m in timing["peak_mem_bytes_per_rank"])
+    # MFU: FLOPs per image from the model, a peak measured by each rank, their ratio to the throughput
+    assert len(timing["peak_gflops_per_rank"]) == 2 and all(g > 0 for g in timing["peak_gflops_per_rank"])
+    assert timing["mfu"] == pytest.approx(timing["train_gflops_per_image"] * timing["images_per_s"]
+                                          / sum(timing["peak_gflops_per_rank"]))
+    assert 0 < timing["mfu"] < 1 and "matmul" in timing["peak_method"]
     env = json.loads((out / "env.json").read_text())
     for key in ("host", "cpu_model", "cpu_cores_logical", "gpu_model", "gpu_count", "driver", "torch", "cuda", "nccl",
                 "python", "detscale", "git_commit", "config_hash"):

@@ -17,7 +17,8 @@ def test_configuration_reference_matches_the_schema():
     assert "config/README.md" in README, "README.md must point at the configuration guide"
     table = guide.split("<!-- reference:start -->")[1].split("<!-- reference:end -->")[0].strip()
     assert table == reference_markdown(), (
-        "config/README.md's configuration reference differs from workflow/schemas/config.schema.yaml; regenerate it with "
+        "config/README.md's configuration reference differs from workflow/schemas/config.schema.yaml; "
+        "regenerate it with "
         "python -c \"from detscale.config import reference_markdown; print(reference_markdown())\""
     )
 

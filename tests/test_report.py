@@ -35,7 +35,7 @@ def write_config(tmp_path: Path, gpus: list[int], repeats: int = 1, overlap: boo
 
 def write_run(root: Path, cfg: dsconfig.ExperimentConfig, run_id: str, ips: float, map50_95: float,
               map50: float = 0.7, device: str = "cpu", span: tuple[float, float] | None = None,
-              curve: dict[int, float] | None = None) -> Path:
+              curve: dict[int, float] | None = None, peak_gflops: float | None = None) -> Path:
     """A run folder with the artifact contract's files, as `detscale train` / `evaluate` write them."""
     point = cfg.run(run_id)
     run_dir = root / run_id
@@ -51,6 +51,10 @@ def write_run(root: Path, cfg: dsconfig.ExperimentConfig, run_id: str, ips: floa
     }
     if span:
         timing["started_at"], timing["finished_at"] = span
+    if peak_gflops is not None:  # as detscale.engine.mfu.mfu_fields writes it, 0.5 GFLOPs per image
+        timing.update(train_gflops_per_image=0.5, peak_gflops_per_rank=[peak_gflops] * n,
+                      peak_method="float32 512x512 matmul, best of 9 rounds, 1 thread(s)",
+                      mfu=0.5 * ips / (peak_gflops * n))
     evaluation = {"map50_95": map50_95, "map50": map50, "map75": 0.5, "map_small": 0.1, "map_medium": 0.4,
                   "map_large": 0.6, "ar100": 0.6, "per_class": {"circle": 0.5}, "num_images": 4,
                   "ground_truth": "gt.json", "predictions": "predictions.json"}
@@ -136,8 +140,9 @@ def test_report_files(repeated, tmp_path: Path):
     assert "194.2 (189.0–199.5)" in md
     assert "CPU rank" in md and "GPU was used" in md
 
-    assert set(files.plots) == {"throughput", "efficiency", "memory", "map", "step_time", "accuracy_pairs",
+    assert set(files.plots) == {"throughput", "efficiency", "memory", "mfu", "map", "step_time", "accuracy_pairs",
                                 "time_to_accuracy", "projection"}
+    assert "MFU: not recorded by these runs" in files.html.read_text()
     for path in files.plots.values():
         assert path.read_bytes()[:8] == PNG_SIGNATURE
         pixels = matplotlib.image.imread(path)
@@ -148,7 +153,7 @@ def test_report_files(repeated, tmp_path: Path):
     srcs = re.findall(r"""(?:src|href)\s*=\s*["']([^"']*)""", page)
     assert srcs and all(s.startswith("data:image/png;base64,") for s in srcs)
     assert "<link" not in page and "<script" not in page and "@import" not in page
-    assert page.count("data:image/png;base64,") == 8
+    assert page.count("data:image/png;base64,") == 9
     assert "No GPU was used" in page and "CPU rank" in page
     assert "warm-up steps are excluded" in page
     assert "Memory format: contiguous (NCHW)" in page  # the layout changes throughput: it is said
@@ -331,3 +336,24 @@ def test_report_says_what_validation_dropped_from_training(tmp_path: Path):
     assert "validation (quarantine) kept 300 of 400 training images" in md
     assert "without the 100 dropped ones (train_val_overlap: 100;" in md and "duplicate_box" not in md
     assert "7 box(es) reaching beyond their image were clipped" in md
+
+
+def test_mfu_in_the_table_the_methods_and_the_projection_input(tmp_path: Path):
+    config_path = write_config(tmp_path, [1, 2])
+    cfg = dsconfig.load(config_path)
+    dirs = [write_run(tmp_path / "runs", cfg, "gelan-t_64_g1_b8_disk_fp32_s0_r0", 100.0, 0.4, peak_gflops=200.0),
+            write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_s0_r0", 180.0, 0.4, peak_gflops=200.0)]
+    files = build_report(dirs, config_path, tmp_path / "report")
+    rows = {r["run"]: r for r in csv.DictReader(files.csv.open())}
+    assert float(rows["gelan-t_64_g1_b8_disk_fp32_s0_r0"]["mfu"]) == pytest.approx(0.25)  # 0.5 x 100 / 200
+    assert float(rows["gelan-t_64_g2_b8_disk_fp32_s0_r0"]["mfu"]) == pytest.approx(0.225)  # 0.5 x 180 / 400
+    assert float(rows["gelan-t_64_g2_b8_disk_fp32_s0_r0"]["peak_gflops_per_gpu"]) == pytest.approx(200.0)
+    md, page = files.markdown.read_text(), files.html.read_text()
+    assert "MFU %" in md and "25.0" in md and "22.5" in md
+    assert "3 × one training-mode forward" in page and "512x512 matmul" in page and "200 GFLOP/s per GPU" in page
+    from detscale.report.projection import Baseline
+
+    one = rows["gelan-t_64_g1_b8_disk_fp32_s0_r0"]
+    base = Baseline.from_rows([{"gpus": 1, "backward_ms": 1.0, "batch_per_gpu": 8, "step_ms": 80.0, "device": "cpu",
+                                "scaling": "weak", "mfu": float(one["mfu"])}])
+    assert base is not None and base.mfu == pytest.approx(0.25)

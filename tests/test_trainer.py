@@ -310,3 +310,25 @@ def test_cpu_sync_batchnorm_matches_batchnorm_alone() -> None:
     ref.load_state_dict(net.state_dict())
     x = torch.randn(4, 3, 8, 8)
     assert torch.allclose(net(x), ref(x), atol=1e-6)  # one process: the plain BatchNorm path
+
+
+def test_mfu_peak_flops_and_datasheet() -> None:
+    from detscale.engine.mfu import datasheet_peak, measure_peak, mfu_fields, train_gflops_per_image
+    from detscale.model import build_model
+    from detscale.model.info import count_gflops
+
+    net = build_model("gelan-t", 3)
+    state = torch.random.get_rng_state()
+    peak = measure_peak(torch.device("cpu"), "fp32", min_seconds=0.01)
+    flops = train_gflops_per_image(net, 64)
+    assert torch.equal(state, torch.random.get_rng_state())  # the run's random stream is untouched
+    assert peak["gflops"] > 0.1 and "float32 512x512 matmul" in peak["method"]
+    assert flops == pytest.approx(3 * count_gflops(net, 64, train=True))
+    fields = mfu_fields(flops, 100.0, [peak, peak], "fp32", None)
+    assert fields["mfu"] == pytest.approx(flops * 100.0 / (2 * peak["gflops"]))
+    assert "mfu_datasheet" not in fields
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "bf16")[0] == 989_000.0
+    assert datasheet_peak("NVIDIA H100 PCIe", "bf16")[0] == 756_000.0
+    assert datasheet_peak("NVIDIA H200", "fp32") is None and datasheet_peak("Tesla T4", "bf16") is None
+    sheet = mfu_fields(flops, 100.0, [peak], "bf16", "NVIDIA A100-SXM4-80GB")
+    assert sheet["mfu_datasheet"] == pytest.approx(flops * 100.0 / 312_000.0) and "A100" in sheet["datasheet_source"]

@@ -52,6 +52,7 @@ from detscale.config import ExperimentConfig, RunPoint
 from detscale.engine.build import build_loaders, build_parts
 from detscale.engine.checkpoint import checkpoint_dict, find_resume_checkpoint, restore, save_last
 from detscale.engine.loop import LoopState, standard_hooks, train_one_epoch
+from detscale.engine.mfu import measure_peak, mfu_fields, train_gflops_per_image
 from detscale.engine.semantics import TrainSemantics, config_digest, derive_semantics
 from detscale.engine.state import Progress, RunPaths, RunState
 from detscale.engine.stopflag import StopFlag
@@ -231,6 +232,9 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
         env["rank_hosts"] = hosts
         write_json(env, paths.out / "env.json", indent=2)
 
+    # Every rank measures its device's peak at once (ranks sharing cores or a bus measure what they share).
+    peak = measure_peak(info.device, sem.precision)
+    gflops = train_gflops_per_image(parts.raw, point.imgsz) if info.is_main else 0.0
     # Wall-clock span of this attempt, so the report can check whether timed runs overlapped.
     started_at = time.time()
     stop = StopFlag()
@@ -247,6 +251,7 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
 
     memory = dist.all_gather_object(peak_memory(info.device))
     timings = dist.all_gather_object(timing.state_dict())
+    peaks = dist.all_gather_object(peak)
     if info.is_main:
         extra = {"threads_per_rank": threads if info.device.type == "cpu" else None, "precision": sem.precision,
                  "accumulate": sem.accumulate, "steps_per_epoch": len(train_loader), "epochs": sem.epochs,
@@ -254,6 +259,7 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
                  "started_at": started_at, "finished_at": time.time()}
         report = timing_report(timings, memory, info.device.type, info.backend, sem.batch_per_rank,
                                sem.global_batch, extra)
+        report.update(mfu_fields(gflops, report["images_per_s"], peaks, sem.precision, env.get("gpu_model")))
         if report["measured_steps"] == 0:
             log.warning("no steady-state steps measured: every epoch has at most %d steps, all warm-up "
                         "(train.timing_warmup_steps); throughput is reported as 0", cfg.train.timing_warmup_steps)

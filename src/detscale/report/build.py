@@ -180,6 +180,7 @@ def methods(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig) -
         "every 25 steps, no per-step synchronisation.",
         "Peak memory per GPU: the largest rank's peak, in GB (10^9 bytes): allocated CUDA memory on GPUs, peak "
         f"resident set size (RSS) of the rank process on CPU (kinds here: {_span([r['mem_kind'] for r in rows])}).",
+        mfu_method(rows),
         "Epoch time: median wall time of the epochs after the first (the first pays start-up); scaling.csv also "
         "has the first epoch and the total training time.",
         f"mAP: COCO mAP@0.5 and mAP@0.5:0.95 of the final EMA weights on {_span([r['num_images'] for r in rows])} "
@@ -203,6 +204,20 @@ def methods(rows: Sequence[Mapping[str, Any]], cfg: dsconfig.ExperimentConfig) -
            if cfg.train.val_interval == 0 else ""),
         placement_note(cfg, rows),
     ]
+
+
+def mfu_method(rows: Sequence[Mapping[str, Any]]) -> str:
+    """How MFU was measured, with the FLOPs per image and the peaks these runs measured."""
+    measured = [r for r in rows if r.get("mfu") == r.get("mfu")]  # not nan: the run recorded its peak
+    if not measured:
+        return "MFU: not recorded by these runs (their timing.json predates it)."
+    flops = _span([f"{r['train_gflops_per_image']:.3g}" for r in measured])
+    peaks = _span([f"{r['peak_gflops_per_gpu']:.0f}" for r in measured])
+    return (f"MFU (model FLOPs utilisation) = training FLOPs per image × throughput / the sum of the ranks' peaks. "
+            f"FLOPs per image: {flops} GFLOPs, 3 × one training-mode forward (convolutions and matrix products "
+            "counted with torch's FlopCounterMode, 2 × MACs). Peak: measured by every rank at the start of its run, "
+            f"all ranks at once ({_span([r['peak_method'] for r in measured])}): {peaks} GFLOP/s per GPU. On known "
+            "GPUs scaling.csv also has MFU against the datasheet's dense peak (mfu_datasheet).")
 
 
 def contention_note(rows: Sequence[Mapping[str, Any]]) -> str | None:

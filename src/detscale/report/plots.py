@@ -18,6 +18,7 @@ PLOTS = {
     "throughput": "Throughput vs GPUs, with the ideal (linear) line",
     "efficiency": "Scaling efficiency vs GPUs",
     "memory": "Peak memory per GPU",
+    "mfu": "Model FLOPs utilisation per GPU: training FLOPs per second against the peak each rank measured",
     "map": "mAP vs GPUs (median, min–max over repeats)",
     "step_time": "Step time split into data wait, forward, backward, exposed communication, optimiser and other",
     "accuracy_pairs": "mAP@0.5:0.95 per seed, baseline vs N GPUs, and the mean difference with its 95 % CI",
@@ -102,6 +103,22 @@ def plot_memory(frame, path: Path, gpu_label: str) -> Path:
     ax.set_ylim(0, float(frame["peak_mem_gb_per_gpu"].max()) * 1.3)  # room for the legend
     ax.legend(fontsize="small", loc="upper left")
     return _finish(fig, ax, path, PLOTS["memory"], gpu_label, what)
+
+
+def plot_mfu(frame, path: Path, gpu_label: str) -> Path:
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    data = frame.assign(mfu_pct=frame["mfu"] * 100).dropna(subset=["mfu_pct"])
+    if data.empty:
+        ax.text(0.5, 0.5, "MFU not recorded by these runs", ha="center", va="center", transform=ax.transAxes)
+    else:
+        sns.barplot(data=data, x="gpus", y="mfu_pct", hue="point", estimator="median", errorbar=("pi", 100), ax=ax)
+        ax.set_ylim(0, float(data["mfu_pct"].max()) * 1.3)  # room for the legend
+        ax.legend(fontsize="small", loc="upper left")
+    return _finish(fig, ax, path, PLOTS["mfu"].split(":")[0], gpu_label,
+                   "MFU (% of the measured matmul peak per GPU)")
 
 
 def plot_map(frame, path: Path, gpu_label: str) -> Path:
@@ -260,6 +277,7 @@ def make_plots(rows: Sequence[Mapping[str, Any]], out_dir: str | Path, deltas: S
         "throughput": plot_throughput,
         "efficiency": plot_efficiency,
         "memory": plot_memory,
+        "mfu": plot_mfu,
         "map": plot_map,
         "step_time": plot_step_time,
     }

@@ -106,6 +106,7 @@ class Baseline:
     threads: int = 1  # torch threads of a CPU rank
     #: the spread of the 1-GPU step over the baseline's runs (seeds, repeats): min / median, max / median
     step_spread: tuple[float, float] = (1.0, 1.0)
+    mfu: float = math.nan  # the 1-GPU run's model FLOPs utilisation (nan: not recorded)
 
     def scaled(self, factor: float) -> Baseline:
         """The same baseline with its own work ``factor`` times as long (the ends of its measured spread)."""
@@ -145,7 +146,7 @@ class Baseline:
                    cores=int(ones[0].get("cpu_cores") or 1), device=str(ones[0]["device"]),
                    scaling=str(ones[0]["scaling"]),
                    optimizer_s=0.0 if math.isnan(optimizer) else optimizer / 1000,
-                   accumulate=1 if math.isnan(accumulate) else int(accumulate))
+                   accumulate=1 if math.isnan(accumulate) else int(accumulate), mfu=med("mfu"))
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,7 @@ class GroupProjection:
     accumulate: int = 1
     #: ranks per node -> (lowest, highest) slowdown over the probe's rounds
     contention_range: dict[int, tuple[float, float]] = field(default_factory=dict)
+    mfu: float = math.nan  # the 1-GPU run's MFU; a projected point's is this x its efficiency
 
 
 def contention_by_ranks(comm: Sequence[Mapping[str, Any]]) -> dict[int, float]:
@@ -347,7 +349,7 @@ def project_groups(rows: Sequence[Mapping[str, Any]], comm: Sequence[Mapping[str
                               contention_for(slowdown, gpus), contention_range_for(ranges, gpus))
                   for gpus in sorted({int(r["gpus"]) for r in members if int(r["nodes"]) == 1})]
         out.append(GroupProjection(group, intra, inter, grid, checks, int(largest["gradient_bytes"]), len(buckets),
-                                   slowdown, base.accumulate, ranges))
+                                   slowdown, base.accumulate, ranges, base.mfu))
     return out, skipped
 
 
@@ -436,13 +438,17 @@ def markdown(projections: Sequence[GroupProjection], skipped: Sequence[str]) -> 
         lines += [INTERVAL_METHOD, "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
                   *("| " + " | ".join(row) + " |" for row in body)]
         gpn = sorted({x.gpus_per_node for x in p.grid})
-        lines += ["", "Projected img/s (efficiency) by GPUs per node (columns) and nodes (rows); "
-                  "* marks a step bound by the node's CPU cores:", "",
+        mfu = not math.isnan(p.mfu)
+        lines += ["", f"Projected img/s (efficiency{'; MFU' if mfu else ''}) by GPUs per node (columns) and nodes "
+                  "(rows); * marks a step bound by the node's CPU cores"
+                  + (f". MFU = the 1-GPU run's ({p.mfu:.1%}) × efficiency: against the peak one GPU measured alone"
+                     if mfu else "") + ":", "",
                   "| nodes | " + " | ".join(f"{g}/node" for g in gpn) + " |", "|---" * (len(gpn) + 1) + "|"]
         for m in sorted({x.nodes for x in p.grid}):
             cells = {x.gpus_per_node: x for x in p.grid if x.nodes == m}
             lines.append(f"| {m} | " + " | ".join(
-                f"{cells[g].images_per_s:.0f} ({cells[g].efficiency:.2f}){'*' if cells[g].cpu_bound else ''}"
+                f"{cells[g].images_per_s:.0f} ({cells[g].efficiency:.2f}"
+                f"{f'; {p.mfu * cells[g].efficiency:.1%}' if mfu else ''}){'*' if cells[g].cpu_bound else ''}"
                 for g in gpn) + " |")
         lines.append("")
     lines += [f"No projection for {s}." for s in skipped]
