@@ -25,7 +25,8 @@ def check_contract(run: Path, want_device: str) -> list[str]:
     timing = json.loads((run / "timing.json").read_text())
     keys = {"world_size", "device", "backend", "batch_per_rank", "global_batch", "warmup_steps", "measured_steps",
             "images_per_s", "images_per_s_per_rank", "data_wait_share", "compute_share", "epoch_seconds",
-            "val_seconds", "train_seconds", "peak_mem_bytes_per_rank", "mem_kind"}
+            "val_seconds", "train_seconds", "peak_mem_bytes_per_rank", "mem_kind", "mfu", "peak_gflops_per_rank",
+            "train_gflops_per_image"}
     problems += [f"timing.json lacks {k}" for k in sorted(keys - timing.keys())]
     if timing.get("device") != want_device:
         problems.append(f"timing.json device {timing.get('device')!r}, expected {want_device!r}")
@@ -90,5 +91,7 @@ def section_launch(kit: Kit, sizes: Sizes) -> dict[str, Any]:
         "images_per_s": timing["images_per_s"], "data_wait_share": timing["data_wait_share"],
         "epoch_seconds": timing["epoch_seconds"], "peak_mem_bytes": timing["peak_mem_bytes_per_rank"],
         "peak_mem_reserved_bytes": timing.get("peak_mem_reserved_bytes_per_rank"), "backend": timing["backend"],
-        "map50": ev["map50"], "map50_95": ev["map50_95"], "problems": problems, "failed": bool(problems),
+        "map50": ev["map50"], "map50_95": ev["map50_95"], "mfu": timing.get("mfu"),
+        "mfu_datasheet": timing.get("mfu_datasheet"), "peak_gflops_per_rank": timing.get("peak_gflops_per_rank"),
+        "problems": problems, "failed": bool(problems),
     }
