@@ -132,3 +132,27 @@ def test_labels_are_read_as_the_reference_trains_on_them(tmp_path):
     np.testing.assert_allclose(got[2], [2, 0.075, 0.035, 0.15, 0.07], atol=1e-6)
     x1, y1 = got[:, 1] - got[:, 3] / 2, got[:, 2] - got[:, 4] / 2
     assert (x1 >= -1e-7).all() and (y1 >= -1e-7).all() and (got[:, 1] + got[:, 3] / 2 <= 1 + 1e-7).all()
+
+
+def test_polygon_lines_become_their_bounding_boxes_as_the_reference_computes_them(tmp_path):
+    """A segmentation export's line (class and 3 or more points) trains as its box: Ultralytics'
+    segments2boxes (x, y min and max) then xyxy -> xywh, in float32; a box line beside it stays a box."""
+    label = tmp_path / "a.txt"
+    label.write_text("2 0.2 0.2 0.6 0.2 0.4 0.7\n"                    # triangle
+                     "0 0.5 0.5 0.2 0.2\n"                            # a box in the same file
+                     "1 0.5 0.1 0.9 0.4 0.7 0.9 0.3 0.9 0.1 0.4\n"    # pentagon
+                     "1 0.9 0.5 1.01 0.5 1.01 0.7\n")                 # a point just past the edge: clipped
+    got = formats.read_labels(label)
+    points = np.array([0.2, 0.2, 0.6, 0.2, 0.4, 0.7], np.float32).reshape(-1, 2)
+    x1, y1 = points.min(0)
+    x2, y2 = points.max(0)
+    expected = np.array([2, (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1], np.float32)
+    assert got.dtype == np.float32 and got.shape == (4, 5)
+    assert np.array_equal(got[0], expected)
+    assert np.array_equal(got[1], np.array([0, 0.5, 0.5, 0.2, 0.2], np.float32))
+    np.testing.assert_allclose(got[2], [1, 0.5, 0.5, 0.8, 0.8], atol=1e-7)
+    assert got[3, 1] + got[3, 3] / 2 <= 1 + 1e-7  # clipped to the image like a box
+    odd = tmp_path / "odd.txt"
+    odd.write_text("0 0.1 0.1 0.5 0.1 0.3 0.6 0.2\n")  # 3.5 points
+    with pytest.raises(formats.DatasetError, match="detscale validate"):
+        formats.read_labels(odd)

@@ -29,6 +29,7 @@ def test_quarantined_dataset_trains_and_evaluates(tmp_path):
     clean = out / "data.yaml"
     kept = (out / "clean" / "train.txt").read_text().split()
     assert kept and not any("corrupt" in k or "class_range" in k for k in kept)
+    assert any(k.endswith("polygon.jpg") for k in kept)  # polygon labels train as their boxes
 
     cfg = {
         "dataset": {"name": "quarantined", "data_yaml": str(data_yaml)},

@@ -41,10 +41,14 @@ EXPECTED = {
     ("duplicate_image", "good_copy.jpg", None),
     ("train_val_overlap", "leak.jpg", None),
     ("label_orphan", "orphan.txt", None),
+    ("label_columns", "poly_odd.txt", 1),
+    ("label_columns", "poly_odd.txt", 2),
+    ("coord_out_of_range", "poly_out.txt", 1),
 }
 BAD_TRAIN = {"corrupt", "truncated", "zero_bytes", "zero_width", "bad_encoding", "columns", "not_numeric",
-             "class_float", "class_negative", "class_range", "coords", "box_zero", "good_copy", "leak"}
-KEPT_TRAIN = {"good", "good_png", "background", "empty_label", "dup_box", "edge", "clipped"}
+             "class_float", "class_negative", "class_range", "coords", "box_zero", "good_copy", "leak", "poly_odd",
+             "poly_out"}
+KEPT_TRAIN = {"good", "good_png", "background", "empty_label", "dup_box", "edge", "clipped", "polygon"}
 
 
 def jpeg(seed: int, size: int = 24) -> bytes:
@@ -87,6 +91,12 @@ def make_defective(root: Path) -> Path:
         "box_zero.jpg": (jpeg(next(seed)), b"0 0.5 0.5 0 0.2\n"),
         "dup_box.jpg": (jpeg(next(seed)), b"0 0.5 0.5 0.2 0.2\n1 0.3 0.3 0.1 0.1\n0 0.5 0.5 0.2 0.2\n"),
         "edge.jpg": (jpeg(next(seed)), b"0.0 0.1 0.1 0.2 0.2\n2 0.9 0.9 0.2 0.2\n"),  # touches the borders: fine
+        # segmentation-export lines: a triangle and a pentagon (their boxes are used) beside a box line
+        "polygon.jpg": (jpeg(next(seed)), b"2 0.2 0.2 0.6 0.2 0.4 0.7\n0 0.5 0.5 0.2 0.2\n"
+                                          b"1 0.5 0.1 0.9 0.4 0.7 0.9 0.3 0.9 0.1 0.4\n"),
+        # 6 values (two points and a half), then 8 (three points and a half): odd coordinate counts
+        "poly_odd.jpg": (jpeg(next(seed)), b"0 0.1 0.1 0.5 0.1 0.3\n0 0.1 0.1 0.5 0.1 0.3 0.6 0.2\n"),
+        "poly_out.jpg": (jpeg(next(seed)), b"1 0.2 0.2 1.2 0.2 0.5 0.8\n"),  # a point at x = 1.2
         "leak.jpg": (b"", GOOD.encode()),  # filled below: same bytes as val/v1.jpg
     }
     v1 = jpeg(next(seed))
@@ -141,8 +151,11 @@ def test_every_kind_is_found_with_its_file_and_line(defective, tmp_path):
     doc = json.loads((tmp_path / "out" / "validation.json").read_text())
     assert found(doc) == EXPECTED
     notes = {(f["kind"], Path(f["file"]).name) for f in doc["findings"] if f["severity"] == "info"}
-    assert notes == {("background", "background.jpg"), ("background", "empty_label.jpg")}
-    assert doc["counts"]["coord_out_of_range"] == 1 and doc["counts"]["background"] == 2
+    assert notes == {("background", "background.jpg"), ("background", "empty_label.jpg"), ("polygon", "polygon.txt")}
+    assert doc["counts"]["coord_out_of_range"] == 2 and doc["counts"]["background"] == 2
+    assert doc["counts"]["polygon"] == 2  # the triangle and the pentagon, one note each, with their boxes
+    polygons = sorted(f["message"] for f in doc["findings"] if f["kind"] == "polygon")
+    assert polygons == ["3 points: box cx 0.4 cy 0.45 w 0.4 h 0.5", "5 points: box cx 0.5 cy 0.5 w 0.8 h 0.8"]
     assert doc["counts"]["box_clipped"] == 2
     assert set(doc["counts"]) == set(KINDS) and not doc["passed"]
     assert all(set(f) == {"split", "file", "line", "kind", "severity", "message"} for f in doc["findings"])
@@ -263,3 +276,28 @@ def test_workflow_stops_on_a_defective_dataset_with_the_summary_in_the_log(defec
     assert "# Dataset validation: FAILED" in kept and str(tmp_path / "results" / "logs") in log
     assert not (tmp_path / "results" / "data" / "bad" / "data.yaml").exists()
     assert tree_digest(defective.parent) == before
+
+
+def test_roboflow_export_paths_resolve_and_the_report_says_how(tmp_path):
+    """A Roboflow export: data.yaml beside train/ and valid/, with `train: ../train/images`."""
+    root = tmp_path / "export"
+    for split, n in (("train", 3), ("valid", 2)):
+        (root / split / "images").mkdir(parents=True)
+        (root / split / "labels").mkdir(parents=True)
+        for i in range(n):
+            (root / split / "images" / f"{i}.jpg").write_bytes(jpeg(500 + i + 10 * (split == "valid")))
+            (root / split / "labels" / f"{i}.txt").write_text(GOOD)
+    data_yaml = root / "data.yaml"
+    data_yaml.write_text(yaml.safe_dump({"train": "../train/images", "val": "../valid/images", "test": "../test/images",
+                                         "nc": 3, "names": NAMES}))
+    spec = formats.load_spec(data_yaml)
+    assert {k: len(v) for k, v in spec.splits.items()} == {"train": 3, "val": 2}
+    assert len(spec.path_notes) == 2 and "'train: ../train/images' does not exist" in spec.path_notes[0]
+    report = validate(data_yaml, tmp_path / "out", policy="fail", workers=1)
+    assert report.split_stats()["train"]["boxes"] == 6
+    assert "leading '../' dropped" in (tmp_path / "out" / "validation.md").read_text()
+    assert len(json.loads((tmp_path / "out" / "validation.json").read_text())["path_notes"]) == 2
+    # a path that exists neither as written nor without its '../' is still refused, naming it
+    data_yaml.write_text(yaml.safe_dump({"train": "../nowhere/images", "val": "../valid/images", "names": NAMES}))
+    with pytest.raises(formats.DatasetError, match="nowhere"):
+        formats.load_spec(data_yaml)

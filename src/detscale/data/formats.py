@@ -8,7 +8,9 @@ A ``data.yaml`` as Ultralytics and YOLOv9 users have it::
     names: {0: person, 1: bicycle}   # or a list; `nc` optional and checked when present
 
 Labels are found by the ``images/`` -> ``labels/`` convention (last ``images`` path component
-replaced, suffix ``.txt``). Each label line is ``class cx cy w h`` normalised to [0, 1].
+replaced, suffix ``.txt``). Each label line is ``class cx cy w h`` normalised to [0, 1], or a
+polygon ``class x1 y1 x2 y2 x3 y3 ...`` (3 or more points, as segmentation exports write them),
+which detection uses as its bounding box, as Ultralytics' detection trainer does.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class DatasetSpec:
     root: Path
     names: tuple[str, ...]
     splits: dict[str, tuple[Path, ...]]
+    #: how a split path that did not resolve as written was found (Roboflow exports), one line each
+    path_notes: tuple[str, ...] = ()
 
     @property
     def nc(self) -> int:
@@ -119,35 +123,94 @@ def load_spec(data_yaml: str | Path, splits: Sequence[str] = SPLITS) -> DatasetS
         raise DatasetError(f"{path}: 'nc' is {raw['nc']!r} but 'names' lists {len(names)} classes; "
                            "make them agree or remove 'nc'")
     found: dict[str, tuple[Path, ...]] = {}
+    notes: list[str] = []
     for split in splits:
         if not raw.get(split):
             raise DatasetError(f"{path}: the '{split}' split is missing; add '{split}: <folder or list.txt>'")
         entries = raw[split] if isinstance(raw[split], list) else [raw[split]]
         images: list[Path] = []
         for e in entries:
-            entry = Path(e) if Path(e).is_absolute() else root / e
+            entry, note = _split_entry(str(e), root, split)
+            if note:
+                notes.append(note)
             images += _images_in(entry, path, split)
         found[split] = tuple(images)
-    return DatasetSpec(path.resolve(), root, names, found)
+    return DatasetSpec(path.resolve(), root, names, found, tuple(notes))
+
+
+def _split_entry(written: str, root: Path, split: str) -> tuple[Path, str | None]:
+    """Where a split's entry is: as written (relative to the root), else as Ultralytics retries it.
+
+    Roboflow exports write ``train: ../train/images`` in a data.yaml that sits in the dataset's own
+    folder, beside ``train/``; relative to that folder the path does not exist. Ultralytics then
+    drops the leading ``../`` (``check_det_dataset``), and so does this, saying so.
+    """
+    entry = Path(written)
+    if entry.is_absolute():
+        return entry, None
+    as_written = root / entry
+    if as_written.exists() or not written.startswith("../"):
+        return as_written, None
+    retried = root / written[3:]
+    if not retried.exists():
+        return as_written, None
+    return retried, (f"'{split}: {written}' does not exist relative to {root}; used {retried} (the leading '../' "
+                     "dropped, as Ultralytics does for Roboflow exports)")
+
+
+#: A polygon label line has a class and at least this many (x, y) points.
+POLYGON_MIN_POINTS = 3
+
+
+def is_polygon(values: Sequence[str]) -> bool:
+    """Whether a label line's fields are a class and 3 or more (x, y) points."""
+    return len(values) >= 1 + 2 * POLYGON_MIN_POINTS and len(values) % 2 == 1
+
+
+def polygon_box(points: np.ndarray) -> np.ndarray:
+    """(cx, cy, w, h) of the bounding box of ``[k, 2]`` float32 points, in float32 as Ultralytics'
+    ``segments2boxes`` computes it (x, y min and max, then centre and size)."""
+    x1, y1 = points.min(0)
+    x2, y2 = points.max(0)
+    return np.array([(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1], np.float32)
+
+
+def _label_row(values: list[str], label_file: Path) -> np.ndarray:
+    """One line's (class, cx, cy, w, h): a box as written, a polygon as its bounding box."""
+    try:
+        nums = np.array(values, dtype=np.float32)
+    except ValueError:
+        raise DatasetError(f"{label_file}: malformed label lines; run `detscale validate` for details") from None
+    if len(nums) == 5:
+        return nums
+    if is_polygon(values):
+        return np.concatenate([nums[:1], polygon_box(nums[1:].reshape(-1, 2))])
+    raise DatasetError(f"{label_file}: malformed label lines; run `detscale validate` for details")
 
 
 def read_labels(label_file: Path) -> np.ndarray:
     """Labels of one image as float32 ``[n, 5]`` (class, cx, cy, w, h) as training and evaluation use
     them; empty when there is no file.
 
-    As the reference trainer takes them: a line that repeats an earlier one is used once, and a
-    box that reaches beyond the image (a border object labelled with its whole extent, or
-    rounding) is clipped to it; a box wholly outside the image is left out. Boxes inside the image
-    are returned bit for bit as written. ``detscale validate`` reports each case. Assumes a
+    As the reference trainer takes them: a polygon line (a class and 3 or more points) becomes its
+    bounding box, a line that repeats an earlier one is used once, and a box that reaches beyond
+    the image (a border object labelled with its whole extent, or rounding) is clipped to it; a
+    box wholly outside the image is left out. Boxes inside the image are returned bit for bit as
+    written. Each line is read by its own length: Ultralytics converts every line of a file as a
+    polygon once one line is, which would read a box line of such a file as a 2-point polygon;
+    detscale reads it as the box it is. ``detscale validate`` reports each case. Assumes a
     validated dataset: malformed lines raise :class:`DatasetError` naming the file.
     """
     if not label_file.is_file():
         return np.zeros((0, 5), np.float32)
     rows = [ln.split() for ln in label_file.read_text().splitlines() if ln.strip()]
-    try:
-        arr = np.array(rows, dtype=np.float32).reshape(-1, 5)
-    except ValueError:
-        raise DatasetError(f"{label_file}: malformed label lines; run `detscale validate` for details") from None
+    if all(len(r) == 5 for r in rows):
+        try:
+            arr = np.array(rows, dtype=np.float32).reshape(-1, 5)
+        except ValueError:
+            raise DatasetError(f"{label_file}: malformed label lines; run `detscale validate` for details") from None
+    else:
+        arr = np.stack([_label_row(r, label_file) for r in rows])
     _, first = np.unique(arr, axis=0, return_index=True)
     if len(first) < len(arr):
         arr = arr[np.sort(first)]

@@ -58,7 +58,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "image_truncated": ("error", "image data ends before the format's end marker"),
     "image_corrupt": ("error", "image cannot be decoded"),
     "label_unreadable": ("error", "label file cannot be read as text"),
-    "label_columns": ("error", "label line without exactly 5 values (class cx cy w h)"),
+    "label_columns": ("error", "label line that is neither 5 values (class cx cy w h) nor a class and 3 or more "
+                               "x y points (a polygon)"),
     "label_not_numeric": ("error", "non-numeric or non-finite value in a label line"),
     "class_not_integer": ("error", "class id that is not an integer"),
     "class_negative": ("error", "negative class id"),
@@ -71,6 +72,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "box_outside": ("warning", "box wholly outside the image: left out of training and evaluation"),
     "duplicate_box": ("warning", "the same box twice in one label file: used once"),
     "label_orphan": ("warning", "label file without an image"),
+    "polygon": ("info", "polygon label line (a segmentation export): detection uses its bounding box"),
     "background": ("info", "image without labels (no label file, or an empty one): allowed"),
 }
 # Kinds that are not errors but still keep an image out of the clean view.
@@ -129,6 +131,7 @@ class ValidationReport:
     images: dict[str, list[ImageResult]]
     orphans: list[Finding]
     seconds: float = 0.0
+    path_notes: tuple[str, ...] = ()  # split paths found only on a retry (formats.DatasetSpec.path_notes)
 
     def findings(self) -> list[Finding]:
         """Every finding: per image in split order, then the orphan label files."""
@@ -168,6 +171,7 @@ class ValidationReport:
             "policy": self.policy,
             "passed": sev["error"] == 0,
             "names": list(self.names),
+            "path_notes": list(self.path_notes),
             "tolerance": TOLERANCE,
             "seconds": round(self.seconds, 3),
             "splits": self.split_stats(),
@@ -249,10 +253,13 @@ def check_image_file(path: Path, split: str) -> tuple[str | None, list[Finding]]
 def _check_line(
     values: list[str], nc: int, split: str, name: str, line: int
 ) -> tuple[list[Finding], tuple | None]:
-    """Findings about one label line, and its numbers when they are usable."""
-    if len(values) != 5:
+    """Findings about one label line (a box, or a polygon read as its box), and its numbers when usable."""
+    polygon = formats.is_polygon(values)
+    if len(values) != 5 and not polygon:
+        points = "an odd number of point coordinates" if len(values) > 5 else "too few values"
         return [Finding(split, name, line, "label_columns",
-                        f"{len(values)} values, expected 5 (class cx cy w h)")], None
+                        f"{len(values)} values ({points}): expected 5 (class cx cy w h) or a class and 3 or more "
+                        "x y points (a polygon)")], None
     try:
         nums = [float(v) for v in values]
     except ValueError:
@@ -261,6 +268,21 @@ def _check_line(
     if not all(math.isfinite(v) for v in nums):
         return [Finding(split, name, line, "label_not_numeric", f"non-finite value in {' '.join(values)}")], None
     out = []
+    if polygon:
+        lo, hi = VALUE_BOUNDS
+        points = np.array(nums[1:], np.float32).reshape(-1, 2)
+        outside = [f"point {i + 1} ({x:g}, {y:g})" for i, (x, y) in enumerate(points.tolist())
+                   if not (lo <= x <= hi and lo <= y <= hi)]
+        if outside:
+            out.append(Finding(split, name, line, "coord_out_of_range",
+                               f"{', '.join(outside[:3])}{' and more' if len(outside) > 3 else ''}: outside "
+                               f"[{lo:g}, {hi:g}] (normalised coordinates)"))
+            return out, None
+        box = formats.polygon_box(points)
+        out.append(Finding(split, name, line, "polygon",
+                           f"{len(points)} points: box cx {box[0]:.4g} cy {box[1]:.4g} w {box[2]:.4g} h {box[3]:.4g}"))
+        nums = [float(np.float32(nums[0])), *(float(v) for v in box)]
+        values = [values[0], *(f"{v:g}" for v in nums[1:])]
     cls, cx, cy, w, h = nums
     if cls != int(cls):
         out.append(Finding(split, name, line, "class_not_integer", f"class id {values[0]} is not an integer"))
@@ -270,8 +292,9 @@ def _check_line(
         out.append(Finding(split, name, line, "class_out_of_range",
                            f"class id {int(cls)} but data.yaml names {nc} classes (0..{nc - 1})"))
     if w <= 0 or h <= 0:
-        out.append(Finding(split, name, line, "box_nonpositive", f"width {values[3]} and height {values[4]} "
-                                                                 "must both be > 0"))
+        what = "the polygon's box" if polygon else "the box"
+        out.append(Finding(split, name, line, "box_nonpositive", f"width {values[3]} and height {values[4]} of "
+                                                                 f"{what} must both be > 0"))
     else:
         lo, hi = VALUE_BOUNDS
         outside = [f"{label} = {v:g}" for label, v in (("cx", cx), ("cy", cy), ("w", w), ("h", h))
@@ -498,6 +521,7 @@ def markdown(report: ValidationReport) -> str:
         f"- policy: `{report.policy}`; classes: {len(report.names)} ({', '.join(report.names[:20])}"
         f"{', ...' if len(report.names) > 20 else ''})",
         f"- findings: {sev['error']} errors, {sev['warning']} warnings, {sev['info']} notes",
+        *(f"- path: {note}" for note in report.path_notes),
         "",
         "| split | images | kept | dropped | background | boxes |",
         "|---|---:|---:|---:|---:|---:|",
@@ -557,7 +581,9 @@ def validate(
     (out / "data.yaml").unlink(missing_ok=True)  # never leave a previous clean view over new findings
     images, orphans = check_dataset(spec, workers, progress)
     report = ValidationReport(str(spec.yaml_path), str(spec.root), str(out), policy, spec.names, images, orphans,
-                              time.perf_counter() - start)
+                              time.perf_counter() - start, spec.path_notes)
+    for note in spec.path_notes:
+        log.warning("%s", note)
     write_text(json.dumps(report.to_dict(), indent=1) + "\n", out / "validation.json")
     write_text(markdown(report), out / "validation.md")
     errors = report.severity_counts()["error"]
