@@ -14,7 +14,7 @@ from typing import Any
 
 from detscale import config as dsconfig
 from detscale.files import write_text
-from detscale.report import accuracy, html, plots, projection, tables
+from detscale.report import accuracy, advice, html, plots, projection, tables
 from detscale.report.communication import comm_markdown, read_comm
 
 log = logging.getLogger(__name__)
@@ -284,12 +284,14 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     csv_path = out / "scaling.csv"
     tables.write_csv(rows, csv_path)
     md_path = out / "scaling.md"
+    tips = advice.advise(rows)
     md = (tables.markdown(rows, notes + [methods(rows, cfg)[-1]]) + "\n" + "\n".join(accuracy.markdown(deltas))
+          + "\n" + "\n".join(advice.markdown(tips))
           + "\n" + "\n".join(comm_markdown(comm) + projection.markdown(projections, no_projection)))
     write_text(md + "\n", md_path)
     run_configs = {r.point.run_id: (r.run_dir / "config.yaml").read_text() for r in runs}
     page = html.render(rows, plot_paths, notes, methods(rows, cfg), envs, config_path.read_text(),
-                       str(config_path), run_configs, deltas, comm, projections, no_projection)
+                       str(config_path), run_configs, deltas, comm, projections, no_projection, tips)
     html_path = out / "index.html"
     write_text(page, html_path)
     log.info("report of %d run(s) written to %s", len(rows), out)

@@ -77,6 +77,7 @@ def render(
     comm: Sequence[Mapping[str, Any]] = (),
     projections: Sequence[Any] = (),
     no_projection: Sequence[str] = (),
+    tips: Sequence[Any] = (),
 ) -> str:
     """The whole page as a string (``deltas``: :class:`~detscale.report.accuracy.PairedDelta` per point)."""
     from detscale.report.plots import PLOTS
@@ -110,6 +111,13 @@ def render(
         parts.append(table(header, body, left=4))
     else:
         parts.append("<p>No experiment point has both a baseline and a multi-GPU run: nothing to compare.</p>")
+    parts.append("<h2>Advice on the bottleneck</h2>")
+    if tips:
+        parts.append("<ul>" + "".join(f"<li><code>{_e(t.run)}</code> ({_e(t.rule)}): {_e(t.message)}</li>"
+                                      for t in tips) + "</ul>")
+    else:
+        parts.append("<p>No run has a bottleneck above the thresholds (data wait, exposed communication, optimiser, "
+                     "launch-bound step, CPU contention).</p>")
     parts += communication_section(comm, projections, no_projection)
     parts.append("<h2>Plots</h2>")
     parts += [image(path, PLOTS.get(name, name)) for name, path in plots.items()]
