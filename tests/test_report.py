@@ -357,3 +357,30 @@ def test_mfu_in_the_table_the_methods_and_the_projection_input(tmp_path: Path):
     base = Baseline.from_rows([{"gpus": 1, "backward_ms": 1.0, "batch_per_gpu": 8, "step_ms": 80.0, "device": "cpu",
                                 "scaling": "weak", "mfu": float(one["mfu"])}])
     assert base is not None and base.mfu == pytest.approx(0.25)
+
+
+def test_published_reference_figures_are_listed_and_drawn_on_their_card(tmp_path: Path):
+    from detscale.report import reference
+
+    points = reference.load()
+    yolov5l = {p.gpus: p for p in points if p.model == "yolov5l"}
+    # the Ultralytics docs' table: one COCO epoch (118,287 images) in 20:39 on 1 A100 and 3:09 on 8
+    assert yolov5l[1].epoch_seconds == 1239 and yolov5l[8].epoch_seconds == 189
+    assert yolov5l[1].images_per_s == pytest.approx(118287 / 1239)
+    assert yolov5l[8].speedup == pytest.approx(1239 / 189) and yolov5l[8].efficiency == pytest.approx(1239 / 189 / 8)
+    assert all("docs.ultralytics.com" in p.source for p in yolov5l.values())
+    assert reference.matching(points, ["NVIDIA A100-SXM4-80GB"]) and not reference.matching(points, ["NVIDIA H100"])
+
+    config_path = write_config(tmp_path, [1, 2])
+    cfg = dsconfig.load(config_path)
+    dirs = [write_run(tmp_path / "runs", cfg, f"gelan-t_64_g{g}_b8_disk_fp32_s0_r0", ips, 0.4, device="cuda")
+            for g, ips in ((1, 100.0), (2, 180.0))]
+    files = build_report(dirs, config_path, tmp_path / "report")
+    md = files.markdown.read_text()
+    assert "## Published reference figures" in md and "| 8 | 3:09 | 626 | 6.56 | 82% |" in md
+    assert "None is on this report's card family" in md and "Published reference figures" in files.html.read_text()
+    for d in dirs:  # the same runs on an A100: the published curve is drawn beside them
+        env = json.loads((d / "env.json").read_text())
+        (d / "env.json").write_text(json.dumps(dict(env, gpu_model="NVIDIA A100-SXM4-40GB")))
+    files = build_report(dirs, config_path, tmp_path / "report2")
+    assert "Drawn on the efficiency plot" in files.markdown.read_text()

@@ -14,7 +14,7 @@ from typing import Any
 
 from detscale import config as dsconfig
 from detscale.files import write_text
-from detscale.report import accuracy, advice, html, plots, projection, tables
+from detscale.report import accuracy, advice, html, plots, projection, reference, tables
 from detscale.report.communication import comm_markdown, read_comm
 
 log = logging.getLogger(__name__)
@@ -270,10 +270,13 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     notes += [f"Experiment point {g}: no 1-GPU run; speed-ups are relative to {b} GPUs."
               for g, b in sorted({(r["group"], r["baseline_gpus"]) for r in rows if r["baseline_gpus"] != 1})]
 
+    published = reference.load()
+    beside = reference.matching(published, [str(e.get("gpu_model") or "") for e in envs.values()])
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".plots-") as tmp:
-        drawn = plots.make_plots(rows, tmp, deltas=deltas, curves=curves, projections=projections)
+        drawn = plots.make_plots(rows, tmp, deltas=deltas, curves=curves, projections=projections, references=beside)
         plot_dir = out / "plots"
         plot_dir.mkdir(exist_ok=True)
         plot_paths = {}
@@ -287,11 +290,13 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     tips = advice.advise(rows)
     md = (tables.markdown(rows, notes + [methods(rows, cfg)[-1]]) + "\n" + "\n".join(accuracy.markdown(deltas))
           + "\n" + "\n".join(advice.markdown(tips))
-          + "\n" + "\n".join(comm_markdown(comm) + projection.markdown(projections, no_projection)))
+          + "\n" + "\n".join(comm_markdown(comm) + projection.markdown(projections, no_projection))
+          + "\n" + "\n".join(reference.markdown(published, beside)))
     write_text(md + "\n", md_path)
     run_configs = {r.point.run_id: (r.run_dir / "config.yaml").read_text() for r in runs}
     page = html.render(rows, plot_paths, notes, methods(rows, cfg), envs, config_path.read_text(),
-                       str(config_path), run_configs, deltas, comm, projections, no_projection, tips)
+                       str(config_path), run_configs, deltas, comm, projections, no_projection, tips,
+                       reference.markdown(published, beside))
     html_path = out / "index.html"
     write_text(page, html_path)
     log.info("report of %d run(s) written to %s", len(rows), out)

@@ -75,7 +75,7 @@ def plot_throughput(frame, path: Path, gpu_label: str) -> Path:
     return _finish(fig, ax, path, PLOTS["throughput"], gpu_label, "throughput (images/s, all ranks)")
 
 
-def plot_efficiency(frame, path: Path, gpu_label: str) -> Path:
+def plot_efficiency(frame, path: Path, gpu_label: str, references: Sequence[Any] = ()) -> Path:
     import matplotlib.pyplot as plt
     import seaborn as sns
 
@@ -84,7 +84,13 @@ def plot_efficiency(frame, path: Path, gpu_label: str) -> Path:
     sns.lineplot(data=data, x="gpus", y="efficiency_pct", hue="point", estimator="median",
                  errorbar=("pi", 100), marker="o", ax=ax)
     ax.axhline(100, linestyle="--", color="grey", label="ideal (100 %)")
-    _gpu_ticks(ax, frame["gpus"])
+    by_entry: dict[str, list[Any]] = {}
+    for p in references:  # published points on this report's card family
+        by_entry.setdefault(f"{p.model} ({p.trainer.split(' (')[0]}), published", []).append(p)
+    for label, points in by_entry.items():
+        ax.plot([p.gpus for p in points], [100 * p.efficiency for p in points], linestyle=":", marker="s",
+                color="black", alpha=0.6, label=label)
+    _gpu_ticks(ax, list(frame["gpus"]) + [p.gpus for p in references])
     ax.set_ylim(0, max(110.0, float(data["efficiency_pct"].max()) * 1.1))
     ax.legend(fontsize="small")
     return _finish(fig, ax, path, PLOTS["efficiency"], gpu_label, "efficiency (speed-up / GPUs, %)")
@@ -261,7 +267,7 @@ def plot_projection(frame, projections: Sequence[Any], path: Path, gpu_label: st
 
 def make_plots(rows: Sequence[Mapping[str, Any]], out_dir: str | Path, deltas: Sequence[Any] = (),
                curves: Mapping[str, Sequence[tuple[int, float, float]]] | None = None,
-               projections: Sequence[Any] = ()) -> dict[str, Path]:
+               projections: Sequence[Any] = (), references: Sequence[Any] = ()) -> dict[str, Path]:
     """Write every plot as ``out_dir/<name>.png``; returns name -> path in :data:`PLOTS` order."""
     import matplotlib
 
@@ -283,6 +289,9 @@ def make_plots(rows: Sequence[Mapping[str, Any]], out_dir: str | Path, deltas: S
     }
     paths = {}
     for name, maker in makers.items():
+        if name == "efficiency":
+            paths[name] = plot_efficiency(frame, out / f"{name}.png", gpu_label, references)
+            continue
         paths[name] = maker(frame, out / f"{name}.png", gpu_label)
         log.debug("wrote %s", paths[name])
     paths["accuracy_pairs"] = plot_accuracy_pairs(deltas, out / "accuracy_pairs.png", gpu_label)
