@@ -43,6 +43,8 @@ class DatasetSpec:
     splits: dict[str, tuple[Path, ...]]
     #: how a split path that did not resolve as written was found (Roboflow exports), one line each
     path_notes: tuple[str, ...] = ()
+    #: a converted COCO or VOC dataset's source.json (its original annotations), else None
+    source: Path | None = None
 
     @property
     def nc(self) -> int:
@@ -135,7 +137,9 @@ def load_spec(data_yaml: str | Path, splits: Sequence[str] = SPLITS) -> DatasetS
                 notes.append(note)
             images += _images_in(entry, path, split)
         found[split] = tuple(images)
-    return DatasetSpec(path.resolve(), root, names, found, tuple(notes))
+    source = raw.get("detscale_source")
+    source_path = None if not source else (Path(source) if Path(source).is_absolute() else path.parent / source)
+    return DatasetSpec(path.resolve(), root, names, found, tuple(notes), source_path)
 
 
 def _split_entry(written: str, root: Path, split: str) -> tuple[Path, str | None]:
@@ -233,8 +237,36 @@ def clip_to_image(labels: np.ndarray) -> np.ndarray:
     return out[(out[:, 3] > 0) & (out[:, 4] > 0)]
 
 
-def write_data_yaml(out: Path, names: Iterable[str], train: str | Path, val: str | Path, root: str | Path) -> None:
-    """Write a data.yaml in the common layout (names as a mapping id -> name)."""
+def write_data_yaml(out: Path, names: Iterable[str], train: str | Path, val: str | Path, root: str | Path,
+                    extra: dict[str, str] | None = None) -> None:
+    """Write a data.yaml in the common layout (names as a mapping id -> name), with ``extra`` keys."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"path": str(root), "train": str(train), "val": str(val), "names": dict(enumerate(names))}
+    doc = {"path": str(root), "train": str(train), "val": str(val), "names": dict(enumerate(names)), **(extra or {})}
     out.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+# EXIF orientations that swap width and height (rotations by 90 or 270 degrees).
+_EXIF_ORIENTATION_TAG = 0x0112
+_SWAPPING_ORIENTATIONS = {5, 6, 7, 8}
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """``(width, height)`` of an image as ``cv2.imread`` returns it, from the header only.
+
+    Pillow reads the header lazily (no decoding); the EXIF orientation is applied because
+    OpenCV applies it on decode, and the boxes are mapped back to that decoded image.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            width, height = im.size
+            orientation = im.getexif().get(_EXIF_ORIENTATION_TAG, 1)
+    except (FileNotFoundError, UnidentifiedImageError, OSError) as exc:
+        raise DatasetError(
+            f"{path}: cannot read the image header ({exc}); run `detscale validate` on the dataset "
+            "and use the clean data.yaml it writes"
+        ) from None
+    if orientation in _SWAPPING_ORIENTATIONS:
+        width, height = height, width
+    return int(width), int(height)

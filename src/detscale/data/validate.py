@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from detscale.data import formats
+from detscale.data import formats, sources
 from detscale.data.formats import DatasetError, DatasetSpec
 from detscale.files import write_text
 
@@ -132,6 +132,8 @@ class ValidationReport:
     orphans: list[Finding]
     seconds: float = 0.0
     path_notes: tuple[str, ...] = ()  # split paths found only on a retry (formats.DatasetSpec.path_notes)
+    source_format: str = "yolo"  # the format the dataset came in (converted to YOLO when coco or voc)
+    conversion_notes: tuple[str, ...] = ()  # what the conversion left out or mapped (sources.Converted.notes)
 
     def findings(self) -> list[Finding]:
         """Every finding: per image in split order, then the orphan label files."""
@@ -172,6 +174,8 @@ class ValidationReport:
             "passed": sev["error"] == 0,
             "names": list(self.names),
             "path_notes": list(self.path_notes),
+            "source_format": self.source_format,
+            "conversion_notes": list(self.conversion_notes),
             "tolerance": TOLERANCE,
             "seconds": round(self.seconds, 3),
             "splits": self.split_stats(),
@@ -521,6 +525,10 @@ def markdown(report: ValidationReport) -> str:
         f"- policy: `{report.policy}`; classes: {len(report.names)} ({', '.join(report.names[:20])}"
         f"{', ...' if len(report.names) > 20 else ''})",
         f"- findings: {sev['error']} errors, {sev['warning']} warnings, {sev['info']} notes",
+        f"- format: `{report.source_format}`"
+        + (" (converted to the YOLO layout in `source/`: images linked, labels written)"
+           if report.source_format != "yolo" else ""),
+        *(f"- conversion: {note}" for note in report.conversion_notes),
         *(f"- path: {note}" for note in report.path_notes),
         "",
         "| split | images | kept | dropped | background | boxes |",
@@ -574,14 +582,17 @@ def validate(
     if policy not in POLICIES:
         raise DatasetError(f"--on-error must be one of {', '.join(POLICIES)}, got {policy!r}")
     start = time.perf_counter()
-    spec = formats.load_spec(data_yaml)
     out = Path(out).resolve()
-    _check_out(out, spec.yaml_path)
+    _check_out(out, Path(data_yaml))
+    converted = sources.convert(data_yaml, out / "source")
+    for note in converted.notes:
+        log.warning("%s", note)
+    spec = formats.load_spec(converted.data_yaml)
     out.mkdir(parents=True, exist_ok=True)
     (out / "data.yaml").unlink(missing_ok=True)  # never leave a previous clean view over new findings
     images, orphans = check_dataset(spec, workers, progress)
     report = ValidationReport(str(spec.yaml_path), str(spec.root), str(out), policy, spec.names, images, orphans,
-                              time.perf_counter() - start, spec.path_notes)
+                              time.perf_counter() - start, spec.path_notes, converted.format, tuple(converted.notes))
     for note in spec.path_notes:
         log.warning("%s", note)
     write_text(json.dumps(report.to_dict(), indent=1) + "\n", out / "validation.json")
@@ -609,7 +620,8 @@ def validate(
     for split in images:
         write_text("".join(f"{p}\n" for p in report.kept(split)), out / "clean" / f"{split}.txt")
     tmp = out / ".data.yaml.tmp"
-    formats.write_data_yaml(tmp, spec.names, "clean/train.txt", "clean/val.txt", out)
+    formats.write_data_yaml(tmp, spec.names, "clean/train.txt", "clean/val.txt", out,
+                            extra={"detscale_source": str(spec.source)} if spec.source else None)
     os.replace(tmp, out / "data.yaml")
     report.seconds = time.perf_counter() - start
     return report

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from detscale.data.formats import DatasetError, DatasetSpec, label_path_for, read_labels
+from detscale.data.formats import DatasetError, DatasetSpec, image_size, label_path_for, read_labels
 from detscale.files import write_json
 
 log = logging.getLogger(__name__)
@@ -53,38 +53,6 @@ SUMMARY_KEYS: dict[str, int] = {
 # the image and repeated label lines counted once, as training reads them).
 GT_VERSION = 2
 
-# EXIF orientations that swap width and height (rotations by 90 or 270 degrees).
-_EXIF_ORIENTATION_TAG = 0x0112
-_SWAPPING_ORIENTATIONS = {5, 6, 7, 8}
-
-
-# ---------------------------------------------------------------------------------------------
-# Files
-# ---------------------------------------------------------------------------------------------
-
-
-def image_size(path: Path) -> tuple[int, int]:
-    """``(width, height)`` of an image as ``cv2.imread`` returns it, from the header only.
-
-    Pillow reads the header lazily (no decoding); the EXIF orientation is applied because
-    OpenCV applies it on decode, and the boxes are mapped back to that decoded image.
-    """
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            width, height = im.size
-            orientation = im.getexif().get(_EXIF_ORIENTATION_TAG, 1)
-    except (FileNotFoundError, UnidentifiedImageError, OSError) as exc:
-        raise DatasetError(
-            f"{path}: cannot read the image header ({exc}); run `detscale validate` on the dataset "
-            "and use the clean data.yaml it writes"
-        ) from None
-    if orientation in _SWAPPING_ORIENTATIONS:
-        width, height = height, width
-    return int(width), int(height)
-
-
 # ---------------------------------------------------------------------------------------------
 # Ground truth
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +62,8 @@ def coco_ground_truth(spec: DatasetSpec, split: str) -> dict[str, Any]:
     """The ground truth of ``split`` as a COCO detection dict (see the module notes)."""
     if split not in spec.splits:
         raise DatasetError(f"{spec.yaml_path}: no '{split}' split; it has {', '.join(spec.splits)}")
+    if spec.source is not None:
+        return source_ground_truth(spec, split)
     images: list[dict[str, Any]] = []
     annotations: list[dict[str, Any]] = []
     for image_id, path in enumerate(spec.splits[split]):
@@ -123,6 +93,44 @@ def coco_ground_truth(spec: DatasetSpec, split: str) -> dict[str, Any]:
         "images": images,
         "annotations": annotations,
         "categories": categories,
+    }
+
+
+def source_ground_truth(spec: DatasetSpec, split: str) -> dict[str, Any]:
+    """The ground truth of a converted COCO or VOC dataset: its own annotations, not the YOLO labels.
+
+    The boxes (in pixels, unrounded), areas and crowd flags come from ``source.json``
+    (:mod:`detscale.data.sources`): COCO's ``iscrowd`` regions and VOC's excluded ``difficult``
+    objects stay in as crowd regions, on which COCO's matching ignores detections, and COCO's
+    small/medium/large split uses the annotations' own areas. Ids are this module's (image = index
+    in the split, category = class id); COCOeval's figures do not depend on the ids, so they are
+    those of the original file scored with predictions mapped back to its ids (tested).
+    """
+    try:
+        source = json.loads(spec.source.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DatasetError(f"{spec.source}: cannot read the converted dataset's source ({exc}); run "
+                           "`detscale validate` again") from None
+    records = source["splits"][split]
+    base = spec.source.parent / "images" / split
+    images: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
+    for image_id, path in enumerate(spec.splits[split]):
+        try:
+            record = records[str(Path(path).relative_to(base))]
+        except (ValueError, KeyError):
+            raise DatasetError(f"{path} is not an image of {spec.source}'s {split} split; run `detscale validate` "
+                               "again") from None
+        images.append({"id": image_id, "file_name": str(path), "width": record["width"], "height": record["height"]})
+        for a in record["annotations"]:
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": a["class"],
+                                "bbox": a["bbox"], "area": a["area"], "iscrowd": a["iscrowd"]})
+    return {
+        "info": {"description": f"{spec.source} split {split}: the {source['format']} annotations of "
+                                f"{source['data_yaml']}", "detscale_gt_version": GT_VERSION},
+        "images": images,
+        "annotations": annotations,
+        "categories": [{"id": i, "name": name, "supercategory": "object"} for i, name in enumerate(spec.names)],
     }
 
 
