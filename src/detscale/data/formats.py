@@ -108,9 +108,8 @@ def _resolve_root(raw_path: object, yaml_path: Path) -> Path:
     return by_yaml
 
 
-def load_spec(data_yaml: str | Path, splits: Sequence[str] = SPLITS) -> DatasetSpec:
-    """Parse ``data_yaml``; every requested split must exist."""
-    path = Path(data_yaml)
+def read_yaml_mapping(path: Path) -> dict:
+    """A dataset yaml's mapping, or a :class:`DatasetError` saying why it is not one."""
     if not path.is_file():
         raise DatasetError(f"dataset file {path} does not exist")
     try:
@@ -119,6 +118,13 @@ def load_spec(data_yaml: str | Path, splits: Sequence[str] = SPLITS) -> DatasetS
         raise DatasetError(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise DatasetError(f"{path}: expected a mapping with 'train', 'val' and 'names'")
+    return raw
+
+
+def load_spec(data_yaml: str | Path, splits: Sequence[str] = SPLITS) -> DatasetSpec:
+    """Parse ``data_yaml``; every requested split must exist."""
+    path = Path(data_yaml)
+    raw = read_yaml_mapping(path)
     root = _resolve_root(raw.get("path"), path)
     names = _parse_names(raw.get("names"), path)
     if "nc" in raw and (not isinstance(raw["nc"], int) or raw["nc"] != len(names)):

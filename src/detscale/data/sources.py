@@ -45,9 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from detscale.data.formats import SPLITS, DatasetError, image_size, write_data_yaml
+from detscale.data.formats import SPLITS, DatasetError, image_size, read_yaml_mapping, write_data_yaml
 
 FORMATS = ("yolo", "coco", "voc")
 SOURCE_FILE = "source.json"
@@ -85,14 +83,7 @@ def _root(raw: dict[str, Any], yaml_path: Path) -> Path:
 
 def read_source(data_yaml: str | Path) -> tuple[str, dict[str, Any]]:
     path = Path(data_yaml)
-    if not path.is_file():
-        raise DatasetError(f"dataset file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise DatasetError(f"{path} is not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise DatasetError(f"{path}: expected a mapping")
+    raw = read_yaml_mapping(path)
     return detect_format(raw, path), raw
 
 
