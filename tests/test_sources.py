@@ -210,3 +210,86 @@ def test_sources_refuse_what_they_cannot_read(tmp_path: Path):
     bad.write_text(yaml.safe_dump({"format": "pascal", "train": "t", "val": "v"}))
     with pytest.raises(formats.DatasetError, match="use one of yolo, coco, voc"):
         sources.convert(bad, tmp_path / "x")
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_exif_rotated_images_boxes_follow_the_rotation(tmp_path: Path, orientation: int):
+    """A bright box on a dark image, stored unrotated with an EXIF orientation, annotated in COCO on the
+    image as stored: where the orientation swaps the sides (6, 8), the converted YOLO box is where
+    OpenCV's decoded image has the bright pixels; where it keeps them (3), the size cannot tell, and the
+    box is taken as drawn on the decoded image, as Ultralytics' converter takes it, with a note."""
+    from PIL import Image
+
+    stored_w, stored_h, box = 64, 32, (40, 4, 16, 8)  # x, y, w, h on the image as stored
+    pixels = np.zeros((stored_h, stored_w, 3), np.uint8)
+    x, y, w, h = box
+    pixels[y:y + h, x:x + w] = 255
+    folder = tmp_path / "images"
+    for split in ("train", "val"):
+        (folder / split).mkdir(parents=True)
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        pixels[0, 0] = 7 if split == "val" else 0  # not the same image in both splits
+        Image.fromarray(pixels).save(folder / split / "a.png", exif=exif.tobytes())
+    doc = {"images": [{"id": 1, "file_name": "a.png", "width": stored_w, "height": stored_h}],
+           "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": list(box), "area": w * h,
+                            "iscrowd": 0}], "categories": [{"id": 1, "name": "light"}]}
+    (tmp_path / "ann.json").write_text(json.dumps(doc))
+    data = tmp_path / "coco.yaml"
+    data.write_text(yaml.safe_dump({"format": "coco", **{s: {"annotations": "ann.json", "images": f"images/{s}"}
+                                                         for s in ("train", "val")}}))
+    report = validate(data, tmp_path / "out", policy="fail", workers=1)
+    assert report.split_stats()["train"]["images"] == 1
+    decoded = cv2.imread(str(folder / "train" / "a.png"))  # OpenCV applies the orientation, as training does
+    assert decoded.shape[:2] == ((stored_w, stored_h) if orientation in (6, 8) else (stored_h, stored_w))
+    rows, cols = np.nonzero(decoded[:, :, 0] > 128)
+    dh, dw = decoded.shape[:2]
+    label = _labels(tmp_path / "out" / "data.yaml", "train")[0]
+    expected = [0, (cols.min() + cols.max() + 1) / 2 / dw, (rows.min() + rows.max() + 1) / 2 / dh,
+                (cols.max() + 1 - cols.min()) / dw, (rows.max() + 1 - rows.min()) / dh]
+    if orientation == 3:
+        expected = [0, (x + w / 2) / stored_w, (y + h / 2) / stored_h, w / stored_w, h / stored_h]
+        assert any("keeps its sides" in n for n in report.conversion_notes)
+    np.testing.assert_allclose(label[0], expected, atol=1e-6)
+    if orientation != 1:
+        assert any(f"EXIF orientation {orientation}" in n for n in report.conversion_notes)
+        notes = json.loads((tmp_path / "out" / "validation.json").read_text())["findings"]
+        assert any(f["kind"] == "image_exif_rotated" for f in notes)
+
+
+def test_image_edge_cases_are_named_and_decoded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """CMYK, 16-bit, alpha and very large images: each named by the validator, each decoded to 8-bit
+    RGB for training; a very large JPEG decoded reduced, its geometry still the original's."""
+    from PIL import Image
+
+    from detscale.data import cache
+    from detscale.data import validate as validation
+
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    files = {"cmyk.jpg": lambda p: Image.fromarray(rgb).convert("CMYK").save(p, quality=95),
+             "deep.png": lambda p: cv2.imwrite(str(p), rgb.astype(np.uint16) * 257),
+             "alpha.png": lambda p: cv2.imwrite(str(p), np.dstack([rgb, np.full((48, 64), 128, np.uint8)])),
+             "large.jpg": lambda p: cv2.imwrite(str(p), cv2.resize(rgb, (256, 192)))}
+    monkeypatch.setattr(validation, "LARGE_PIXELS", 10_000)  # 256 x 192 = 49,152 pixels: "very large" here
+    monkeypatch.setattr(cache, "LARGE_PIXELS", 10_000)
+    kinds = {}
+    for name, write in files.items():
+        path = tmp_path / name
+        write(path)
+        digest, findings = validation.check_image_file(path, "train")
+        assert digest is not None and all(f.severity == "info" for f in findings)
+        kinds[name] = {f.kind for f in findings}
+        img = cache.decode_image(path)
+        assert img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3
+    assert kinds == {"cmyk.jpg": {"image_cmyk"}, "deep.png": {"image_16bit"}, "alpha.png": {"image_alpha"},
+                     "large.jpg": {"image_large"}}
+    img, factor = cache.decode_for(tmp_path / "large.jpg", 64)
+    assert factor == 4 and img.shape == (48, 64, 3)  # 256 // 4 = 64, not below the training size
+    out, meta = cache.load_letterboxed(tmp_path / "large.jpg", 64)
+    full = cache.decode_image(tmp_path / "large.jpg")
+    from detscale.data.augment import letterbox
+
+    reference, ratio, pad = letterbox(full, 64)
+    assert meta["orig_shape"] == [192, 256] and meta["ratio"] == pytest.approx(ratio) and meta["pad"] == list(pad)
+    assert np.abs(out.astype(int) - reference.astype(int)).mean() < 12  # another resampling of the same image

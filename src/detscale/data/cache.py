@@ -97,13 +97,51 @@ def decode_image(path: str | Path, data: bytes | None = None) -> np.ndarray:
     return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
 
 
+#: Above this many pixels an image is "very large": a JPEG is decoded at 1/2, 1/4 or 1/8 of its size
+#: (libjpeg's own reduced decoding, never below the training size), so decoding one never takes
+#: more memory than an image of about this size; the validator names such images.
+LARGE_PIXELS = 40_000_000
+
+
+def decode_for(path: str | Path, imgsz: int, data: bytes | None = None) -> tuple[np.ndarray, int]:
+    """Decode an image for training at ``imgsz``: ``(RGB uint8 image, reduction factor)``.
+
+    A very large JPEG (:data:`LARGE_PIXELS`) is decoded reduced by the largest power of two (up to 8)
+    that keeps its long side at least ``imgsz``; everything else at full size (factor 1), as the
+    reference trainer reads it.
+    """
+    import cv2
+
+    data = Path(path).read_bytes() if data is None else data
+    from detscale.data.formats import header_size
+
+    size = header_size(data)
+    if size is not None and size[0] * size[1] > LARGE_PIXELS and data[:2] == b"\xff\xd8":
+        factor = 8
+        while factor > 1 and max(size) // factor < imgsz:
+            factor //= 2
+        if factor > 1:
+            flag = {2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4, 8: cv2.IMREAD_REDUCED_COLOR_8}
+            img = cv2.imdecode(np.frombuffer(data, np.uint8), flag[factor])
+            if img is not None and img.size:
+                return cv2.cvtColor(img, cv2.COLOR_BGR2RGB), factor
+    return decode_image(path, data), 1
+
+
+def letterboxed_meta(img: np.ndarray, factor: int, ratio: float, pad: Any) -> dict[str, Any]:
+    """The index entry's geometry of an image decoded at 1/``factor``: the original's shape and the
+    ratio from it, so predictions map back to the original's pixels."""
+    return {"orig_shape": [int(img.shape[0]) * factor, int(img.shape[1]) * factor], "ratio": ratio / factor,
+            "pad": list(pad)}
+
+
 def load_letterboxed(path: str | Path, imgsz: int) -> tuple[np.ndarray, dict[str, Any]]:
     """Decode and letterbox one image (what ``cache: none`` does for every item)."""
     from detscale.data.augment import letterbox
 
-    img = decode_image(path)
+    img, factor = decode_for(path, imgsz)
     out, ratio, pad = letterbox(img, imgsz)
-    return out, {"orig_shape": [int(img.shape[0]), int(img.shape[1])], "ratio": ratio, "pad": list(pad)}
+    return out, letterboxed_meta(img, factor, ratio, pad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,15 +165,13 @@ def _fill_slot(job: tuple[int, str]) -> tuple[int, dict[str, Any]]:
         raise DatasetError(f"cannot read image {path}: {exc.strerror}") from None
     from detscale.data.augment import letterbox
 
-    img = decode_image(path, data)
     array = _WORKER["array"]
+    img, factor = decode_for(path, array.shape[1], data)
     _, ratio, pad = letterbox(img, array.shape[1], out=array[i])
     return i, {
         "crc32": zlib.crc32(array[i]),  # checked whenever the image is read (CachedImages.image)
         "path": path,
-        "orig_shape": [int(img.shape[0]), int(img.shape[1])],
-        "ratio": ratio,
-        "pad": list(pad),
+        **letterboxed_meta(img, factor, ratio, pad),
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
         "sha1": hashlib.sha1(data).hexdigest(),

@@ -16,6 +16,7 @@ which detection uses as its bounding box, as Ultralytics' detection trainer does
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,3 +277,30 @@ def image_size(path: Path) -> tuple[int, int]:
     if orientation in _SWAPPING_ORIENTATIONS:
         width, height = height, width
     return int(width), int(height)
+
+
+# JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic): they carry the size.
+_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def header_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's frame header or a PNG's IHDR; None for other formats."""
+    if data.startswith(_PNG_MAGIC) and len(data) >= 24:
+        w, h = struct.unpack(">II", data[16:24])
+        return w, h
+    if data.startswith(b"\xff\xd8"):
+        i = 2
+        while i + 9 < len(data):
+            if data[i] != 0xFF:
+                return None
+            marker = data[i + 1]
+            if marker == 0xFF:  # fill byte
+                i += 1
+                continue
+            seg_len = struct.unpack(">H", data[i + 2:i + 4])[0]
+            if marker in _JPEG_SOF:
+                h, w = struct.unpack(">HH", data[i + 5:i + 9])
+                return w, h
+            i += 2 + seg_len
+    return None

@@ -27,8 +27,13 @@ and ``source.json``. The conversion is the reference's:
   (1-based pixel indices); ``difficult`` objects are left out of training by default (as
   Ultralytics does) and kept for evaluation as crowd regions, so a detection of one is neither a
   hit nor a false positive, as in VOC's own evaluation; ``difficult: include`` trains on them.
-- Each image's size in the annotations is checked against the image itself as it decodes (EXIF
-  orientation applied); an image whose size differs is left out of the view, named in the notes.
+- Each image's size in the annotations is checked against the image itself: annotated on the image
+  as it decodes (EXIF orientation applied, as OpenCV and the reference decode it), the boxes are
+  used as they are; annotated on the image as stored, with an EXIF orientation that swaps its sides
+  (5-8), the boxes follow the rotation (:func:`exif_box`); an orientation that keeps the sides
+  (2-4) cannot be told from the size, and its boxes are taken as drawn on the decoded image, as
+  Ultralytics' converter takes them (noted); any other size leaves the image out, named in the
+  notes.
 
 ``source.json`` keeps, per split and image (by its path under ``images/SPLIT``), the original
 annotations in pixels with their areas and crowd flags, and the class map, so evaluation scores a
@@ -124,20 +129,55 @@ def _entry(raw: dict[str, Any], split: str, yaml_path: Path) -> Any:
     return raw[split]
 
 
-def _size_ok(image: Path, width: int, height: int, notes: list[str], split: str) -> bool:
+def _orientation(image: Path) -> tuple[int, int, int]:
+    """(width, height) as stored, before any EXIF orientation, and the EXIF orientation (1: none)."""
+    from PIL import Image
+
+    with Image.open(image) as im:
+        return im.size[0], im.size[1], int(im.getexif().get(0x0112, 1) or 1)
+
+
+def exif_box(bbox: list[float], orientation: int, width: int, height: int) -> list[float]:
+    """A box ``[x, y, w, h]`` on the image as stored (``width`` x ``height``) moved onto the image as
+    decoded with EXIF ``orientation`` applied (2-8: mirrored, rotated, or both; TIFF/EXIF 2.3)."""
+    x, y, w, h = bbox
+    right, bottom = width - x - w, height - y - h
+    return {
+        2: [right, y, w, h],  # mirrored left-right
+        3: [right, bottom, w, h],  # rotated 180
+        4: [x, bottom, w, h],  # mirrored top-bottom
+        5: [y, x, h, w],  # transposed
+        6: [bottom, x, h, w],  # rotated 90 clockwise
+        7: [bottom, right, h, w],  # transversed
+        8: [y, right, h, w],  # rotated 90 counter-clockwise
+    }.get(orientation, [x, y, w, h])
+
+
+def _fit(image: Path, width: int, height: int, notes: list[str], split: str) -> tuple[int, int, int] | None:
+    """How an image's annotations fit it: ``(decoded width, decoded height, orientation to apply to the
+    boxes)``, or None (left out, with a note) when the annotated size is neither the image as decoded nor
+    the image as stored."""
     if not image.is_file():
         notes.append(f"{split}: {image} is listed in the annotations but does not exist: left out")
-        return False
+        return None
     try:
-        real = image_size(image)
-    except DatasetError as exc:
-        notes.append(f"{split}: {exc}: left out")
-        return False
-    if real != (width, height):
-        notes.append(f"{split}: {image} is {real[0]}x{real[1]} as it decodes (EXIF orientation applied), its "
-                     f"annotations say {width}x{height}: left out (its boxes would not fit the image)")
-        return False
-    return True
+        decoded = image_size(image)
+        stored_w, stored_h, orientation = _orientation(image)
+    except (DatasetError, OSError) as exc:
+        notes.append(f"{split}: {image}: {exc}: left out")
+        return None
+    if decoded == (width, height):
+        if orientation != 1:  # 2-4 keep the sides: the size cannot tell which image the boxes were drawn on
+            notes.append(f"{split}: {image} has EXIF orientation {orientation}, which keeps its sides; its boxes are "
+                         "taken as drawn on the image as decoded, as Ultralytics' converter takes them")
+        return width, height, 1
+    if orientation != 1 and (stored_w, stored_h) == (width, height):
+        notes.append(f"{split}: {image} has EXIF orientation {orientation}; its boxes, annotated on the image as "
+                     "stored, follow it onto the image as decoded")
+        return decoded[0], decoded[1], orientation
+    notes.append(f"{split}: {image} is {decoded[0]}x{decoded[1]} as it decodes (EXIF orientation applied), its "
+                 f"annotations say {width}x{height}: left out (its boxes would not fit the image)")
+    return None
 
 
 def _coco(raw: dict[str, Any], root: Path, yaml_path: Path
@@ -169,15 +209,17 @@ def _coco(raw: dict[str, Any], root: Path, yaml_path: Path
         crowd = 0
         for im in doc.get("images", []):
             file = image_dir / im["file_name"]
-            width, height = int(im["width"]), int(im["height"])
-            if not _size_ok(file, width, height, notes, split):
+            fit = _fit(file, int(im["width"]), int(im["height"]), notes, split)
+            if fit is None:
                 continue
+            width, height, orientation = fit
             anns, train = [], []
             for a in by_image.get(im["id"], []):
                 if a["category_id"] not in cls_of:
                     raise DatasetError(f"{split}: annotation {a.get('id')} of {im['file_name']} has category "
                                        f"{a['category_id']}, which the categories do not list")
-                x, y, w, h = (float(v) for v in a["bbox"])
+                x, y, w, h = exif_box([float(v) for v in a["bbox"]], orientation, int(im["width"]),
+                                      int(im["height"]))
                 c, is_crowd = cls_of[a["category_id"]], int(a.get("iscrowd", 0))
                 anns.append({"class": c, "bbox": [x, y, w, h], "area": float(a.get("area", w * h)),
                              "iscrowd": is_crowd})
@@ -242,13 +284,19 @@ def _voc(raw: dict[str, Any], root: Path, yaml_path: Path
         for image_id, (width, height, objects) in records.items():
             file = next((p for p in (root / "JPEGImages" / f"{image_id}{s}" for s in (".jpg", ".jpeg", ".png"))
                          if p.is_file()), root / "JPEGImages" / f"{image_id}.jpg")
-            if not _size_ok(file, width, height, notes, split):
+            fit = _fit(file, width, height, notes, split)
+            if fit is None:
                 continue
+            stored_w, stored_h = width, height
+            width, height, orientation = fit
             anns, train = [], []
             for name, (x1, y1, x2, y2), diff in objects:
                 c = cls_of[name]
                 # Ultralytics' VOC conversion: 1-based pixel indices, centre shifted by one pixel
                 cx, cy, w, h = (x1 + x2) / 2 - 1, (y1 + y2) / 2 - 1, x2 - x1, y2 - y1
+                if orientation != 1:
+                    x, y, w, h = exif_box([cx - w / 2, cy - h / 2, w, h], orientation, stored_w, stored_h)
+                    cx, cy = x + w / 2, y + h / 2
                 ignored = diff == 1 and difficult == "exclude"
                 anns.append({"class": c, "bbox": [cx - w / 2, cy - h / 2, w, h], "area": w * h,
                              "iscrowd": int(ignored)})

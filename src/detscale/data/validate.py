@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import struct
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from detscale.data import formats, sources
+from detscale.data.cache import LARGE_PIXELS
 from detscale.data.formats import DatasetError, DatasetSpec
 from detscale.files import write_text
 
@@ -73,6 +73,13 @@ KINDS: dict[str, tuple[str, str]] = {
     "duplicate_box": ("warning", "the same box twice in one label file: used once"),
     "label_orphan": ("warning", "label file without an image"),
     "polygon": ("info", "polygon label line (a segmentation export): detection uses its bounding box"),
+    "image_exif_rotated": ("info", "EXIF orientation: the image is decoded rotated or mirrored, and its labels are "
+                                   "read against that image, as OpenCV (and the reference trainer) decode it"),
+    "image_cmyk": ("info", "CMYK JPEG: converted to RGB on decode"),
+    "image_16bit": ("info", "16 bits per channel: reduced to 8 on decode (the high byte)"),
+    "image_alpha": ("info", "alpha channel: dropped on decode (the colour channels as stored)"),
+    "image_large": ("info", "very large image: decoded at a reduced size in the cache, never below the training "
+                            "size, so its memory stays bounded"),
     "background": ("info", "image without labels (no label file, or an empty one): allowed"),
 }
 # Kinds that are not errors but still keep an image out of the clean view.
@@ -189,31 +196,8 @@ class ValidationReport:
 # Checking one image and its labels (runs in the worker processes)
 # ---------------------------------------------------------------------------------------------
 
-_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _PNG_END = b"IEND\xaeB`\x82"
-
-
-def header_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from a JPEG's frame header or a PNG's IHDR; None for other formats."""
-    if data.startswith(_PNG_MAGIC) and len(data) >= 24:
-        w, h = struct.unpack(">II", data[16:24])
-        return w, h
-    if data.startswith(b"\xff\xd8"):
-        i = 2
-        while i + 9 < len(data):
-            if data[i] != 0xFF:
-                return None
-            marker = data[i + 1]
-            if marker == 0xFF:  # fill byte
-                i += 1
-                continue
-            seg_len = struct.unpack(">H", data[i + 2:i + 4])[0]
-            if marker in _JPEG_SOF:
-                h, w = struct.unpack(">HH", data[i + 5:i + 9])
-                return w, h
-            i += 2 + seg_len
-    return None
 
 
 def _is_truncated(data: bytes) -> bool:
@@ -239,19 +223,48 @@ def check_image_file(path: Path, split: str) -> tuple[str | None, list[Finding]]
     if not data:
         return None, [Finding(split, name, None, "image_empty", "the file is empty (0 bytes)")]
     digest = hashlib.blake2b(data, digest_size=16).hexdigest()
-    size = header_size(data)
+    size = formats.header_size(data)
     if size is not None and 0 in size:
         return digest, [Finding(split, name, None, "image_empty", f"the header says {size[0]}x{size[1]} pixels")]
     if _is_truncated(data):
         return digest, [Finding(split, name, None, "image_truncated",
                                 f"the data ends early ({len(data)} bytes, no end-of-image marker)")]
-    img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    large = size is not None and size[0] * size[1] > LARGE_PIXELS
+    # a very large JPEG is checked at 1/8 of its size: decodable all the same, in bounded memory
+    flag = cv2.IMREAD_REDUCED_COLOR_8 if large and data.startswith(b"\xff\xd8") else cv2.IMREAD_UNCHANGED
+    img = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
     if img is None:
         return digest, [Finding(split, name, None, "image_corrupt",
                                 "OpenCV cannot decode it (damaged data or not an image)")]
     if img.size == 0:
         return digest, [Finding(split, name, None, "image_empty", f"decodes to shape {img.shape}")]
-    return digest, []
+    return digest, _image_notes(data, img, size, large, split, name)
+
+
+def _image_notes(data: bytes, img: np.ndarray, size: tuple[int, int] | None, large: bool, split: str,
+                 name: str) -> list[Finding]:
+    """Info findings about how a decodable image is read: orientation, colour model, depth, alpha, size."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    notes = []
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            mode, orientation = im.mode, im.getexif().get(0x0112, 1)
+    except (UnidentifiedImageError, OSError):
+        mode, orientation = "", 1
+    if orientation not in (1, None):
+        notes.append(Finding(split, name, None, "image_exif_rotated", f"EXIF orientation {orientation}"))
+    if mode == "CMYK":
+        notes.append(Finding(split, name, None, "image_cmyk", "CMYK colour model"))
+    if img.dtype == np.uint16:
+        notes.append(Finding(split, name, None, "image_16bit", f"{img.dtype} pixels"))
+    if img.ndim == 3 and img.shape[2] in (2, 4):
+        notes.append(Finding(split, name, None, "image_alpha", f"{img.shape[2]} channels, the last one alpha"))
+    if large and size is not None:
+        notes.append(Finding(split, name, None, "image_large", f"{size[0]}x{size[1]} pixels"))
+    return notes
 
 
 def _check_line(
