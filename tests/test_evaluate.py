@@ -97,8 +97,8 @@ def one_rank(setup):
 def test_eval_json_keys_and_table(setup, one_rank):
     m = one_rank.metrics
     assert set(m) == {"map50_95", "map50", "map75", "map_small", "map_medium", "map_large", "ar100",
-                      "per_class", "num_images", "ground_truth", "predictions"}
-    assert m["num_images"] == 6
+                      "per_class", "num_images", "ground_truth", "predictions", "prediction_ids"}
+    assert m["num_images"] == 6 and m["prediction_ids"].startswith("the ground truth's")
     assert m["ground_truth"] == str(setup.gt) and Path(m["predictions"]) == one_rank.out / "predictions.json"
     names = yaml.safe_load(setup.data.read_text())["names"]
     assert list(m["per_class"]) == [names[i] for i in range(NC)]

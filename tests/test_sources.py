@@ -165,6 +165,10 @@ def test_coco_is_scored_against_its_own_json_crowd_boxes_ignored(tmp_path: Path)
     original = tmp_path / "coco" / "annotations" / "instances_val.json"
     ids = [im["id"] for im in json.loads(original.read_text())["images"]]
     mapped = [dict(p, image_id=ids[p["image_id"]], category_id=COCO_IDS[p["category_id"]]) for p in PREDICTIONS]
+    from detscale.metrics.coco import original_ids
+
+    written, said = original_ids(formats.load_spec(clean), "val", [dict(p) for p in PREDICTIONS])
+    assert written == mapped and "instances" not in (said or "") and "COCO annotations" in (said or "")
     coco_gt = COCO(str(original))
     evaluator = COCOeval_faster(coco_gt, coco_gt.loadRes(mapped), "bbox", print_function=lambda *a: None)
     evaluator.evaluate()
@@ -263,7 +267,7 @@ def test_image_edge_cases_are_named_and_decoded(tmp_path: Path, monkeypatch: pyt
     from PIL import Image
 
     from detscale.data import cache
-    from detscale.data import validate as validation
+    from detscale.data import checks as validation
 
     rng = np.random.default_rng(0)
     rgb = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)

@@ -134,6 +134,28 @@ def source_ground_truth(spec: DatasetSpec, split: str) -> dict[str, Any]:
     }
 
 
+def original_ids(spec: DatasetSpec, split: str, detections: list[dict[str, Any]]
+                 ) -> tuple[list[dict[str, Any]], str | None]:
+    """``detections`` with a converted COCO dataset's own image and category ids, and what those ids
+    are; the detections unchanged (and None) for any other dataset.
+
+    ``predictions.json`` of a COCO dataset is written this way, so any COCO tool scores it against
+    the user's own instances JSON, with the figures ``eval.json`` has.
+    """
+    if spec.source is None:
+        return detections, None
+    source = json.loads(spec.source.read_text())
+    if source["format"] != "coco":
+        return detections, None
+    base = spec.source.parent / "images" / split
+    records = source["splits"][split]
+    image_ids = [records[str(Path(p).relative_to(base))]["image_id"] for p in spec.splits[split]]
+    categories = source["category_ids"]
+    mapped = [dict(d, image_id=image_ids[d["image_id"]], category_id=categories[d["category_id"]])
+              for d in detections]
+    return mapped, f"the image and category ids of the COCO annotations of {source['data_yaml']}"
+
+
 def yolo_to_coco(spec: DatasetSpec, split: str, out_json: str | Path) -> Path:
     """Write the COCO ground truth of ``split`` to ``out_json`` (atomically) and return the path."""
     gt = coco_ground_truth(spec, split)

@@ -19,7 +19,7 @@ from torch import nn
 from detscale import dist
 from detscale.errors import UserError
 from detscale.files import UnsafeFileError, load_torch, write_json
-from detscale.metrics.coco import compute_metrics, ensure_coco_gt
+from detscale.metrics.coco import compute_metrics, ensure_coco_gt, original_ids
 from detscale.metrics.predict import EvalSettings, gather_image_ids, gather_predictions, predict_with_ids
 
 log = logging.getLogger(__name__)
@@ -176,11 +176,13 @@ def _metrics_on_main(
         )
     gt_json = ensure_coco_gt(spec, split, gt_json)
     predictions_json = None
+    written, ids = original_ids(spec, split, detections)
     if out_dir is not None:
-        predictions_json = write_json(detections, Path(out_dir) / "predictions.json")
+        predictions_json = write_json(written, Path(out_dir) / "predictions.json")
     metrics = compute_metrics(gt_json, detections)
     metrics["ground_truth"] = str(gt_json)
     metrics["predictions"] = None if predictions_json is None else str(predictions_json)
+    metrics["prediction_ids"] = ids or "the ground truth's (image = index in the split, category = class id)"
     if out_dir is not None:
         write_json(metrics, Path(out_dir) / "eval.json", indent=2)
     log.info("evaluated %d images: %d detections, mAP@0.5:0.95 %s", n, len(detections), metrics["map50_95"])

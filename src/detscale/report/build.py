@@ -128,7 +128,7 @@ def data_note(run_configs: Sequence[Mapping[str, Any]]) -> str | None:
     """What dataset validation kept for training, from the ``validation.json`` beside each run's data.yaml
     (the clean view): how many training images were dropped and why. A run trained on fewer images than
     its dataset holds learns less per epoch than one that trains on all of them, another trainer included."""
-    from detscale.data.validate import DROPPED_KINDS, KINDS
+    from detscale.data.checks import DROPPED_KINDS, KINDS
 
     dropping = {kind for kind, (severity, _) in KINDS.items() if severity == "error"} | DROPPED_KINDS
     parts = []
