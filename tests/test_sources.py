@@ -297,3 +297,15 @@ def test_image_edge_cases_are_named_and_decoded(tmp_path: Path, monkeypatch: pyt
     reference, ratio, pad = letterbox(full, 64)
     assert meta["orig_shape"] == [192, 256] and meta["ratio"] == pytest.approx(ratio) and meta["pad"] == list(pad)
     assert np.abs(out.astype(int) - reference.astype(int)).mean() < 12  # another resampling of the same image
+
+
+def test_the_validate_command_converts_and_says_so(three: dict[str, Path], tmp_path: Path):
+    """`detscale validate` on a COCO yaml, as the workflow's rule calls it: converted, validated, stated."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "detscale", "validate", str(three["coco"]), "--out",
+                           str(tmp_path / "out"), "--workers", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"validate: {three['coco'].resolve()}" in proc.stdout and "format: coco, converted" in proc.stdout
+    assert "train 4 images" in proc.stdout and "mapped to contiguous class ids" in proc.stdout

@@ -27,15 +27,21 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from detscale.data import formats
     from detscale.data.validate import summary_text, validate
 
-    total = sum(len(p) for p in formats.load_spec(args.data_yaml).splits.values())
-    with tqdm(total=total, desc="validate", unit="img", disable=None) as bar:
+    with tqdm(desc="validate", unit="img", disable=None) as bar:
+
+        def start(total: int) -> None:  # known once a COCO or VOC dataset is converted
+            bar.total = total
+            bar.refresh()
+
         report = validate(args.data_yaml, args.out, policy=args.on_error, workers=args.workers,
-                          progress=bar.update, failed_report=args.failed_report)
+                          progress=bar.update, failed_report=args.failed_report, on_total=start)
     sev = report.severity_counts()
     lines = [f"validate: {report.data_yaml} (on_error: {report.policy}, {report.seconds:.1f} s)"]
+    if report.source_format != "yolo":
+        lines.append(f"  format: {report.source_format}, converted to the YOLO layout in {Path(report.out) / 'source'}")
+        lines += [f"  conversion: {note}" for note in report.conversion_notes]
     for split, s in report.split_stats().items():
         lines.append(f"  {split:<5} {s['images']} images ({s['background']} background), {s['boxes']} boxes; "
                      f"kept {s['kept']}, dropped {s['dropped']}")

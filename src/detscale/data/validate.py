@@ -312,12 +312,14 @@ def validate(
     workers: int = 0,
     progress: Callable[[int], object] | None = None,
     failed_report: str | Path | None = None,
+    on_total: Callable[[int], object] | None = None,
 ) -> ValidationReport:
     """Validate ``data_yaml`` and write the reports and the clean view to ``out``.
 
     Raises :class:`ValidationFailed` (after writing validation.json and validation.md, and a
     copy of validation.md to ``failed_report`` when given) when the policy is ``fail`` and an
     error was found, and :class:`DatasetError` when quarantine leaves a split without images.
+    ``on_total`` hears the number of images to check once it is known (after a conversion).
     """
     if policy not in POLICIES:
         raise DatasetError(f"--on-error must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -328,11 +330,14 @@ def validate(
     for note in converted.notes:
         log.warning("%s", note)
     spec = formats.load_spec(converted.data_yaml)
+    if on_total is not None:
+        on_total(sum(len(images) for images in spec.splits.values()))
     out.mkdir(parents=True, exist_ok=True)
     (out / "data.yaml").unlink(missing_ok=True)  # never leave a previous clean view over new findings
     images, orphans = check_dataset(spec, workers, progress)
-    report = ValidationReport(str(spec.yaml_path), str(spec.root), str(out), policy, spec.names, images, orphans,
-                              time.perf_counter() - start, spec.path_notes, converted.format, tuple(converted.notes))
+    report = ValidationReport(str(Path(data_yaml).resolve()), str(spec.root), str(out), policy, spec.names, images,
+                              orphans, time.perf_counter() - start, spec.path_notes, converted.format,
+                              tuple(converted.notes))
     for note in spec.path_notes:
         log.warning("%s", note)
     write_text(json.dumps(report.to_dict(), indent=1) + "\n", out / "validation.json")
