@@ -18,8 +18,9 @@ import yaml
 
 from detscale.cli import main as cli_main
 from detscale.data.augment import letterbox
-from detscale.data.cache import CacheError, CacheStaleError, build_cache, cache_paths, decode_image, open_cache
+from detscale.data.cache import CacheError, CacheStaleError, build_cache, cache_paths, open_cache
 from detscale.data.dataset import DetectionDataset
+from detscale.data.decode import decode_image
 from detscale.data.formats import load_spec
 from detscale.data.loader import build_val_loader
 

@@ -266,8 +266,8 @@ def test_image_edge_cases_are_named_and_decoded(tmp_path: Path, monkeypatch: pyt
     RGB for training; a very large JPEG decoded reduced, its geometry still the original's."""
     from PIL import Image
 
-    from detscale.data import cache
     from detscale.data import checks as validation
+    from detscale.data import decode as decoding
 
     rng = np.random.default_rng(0)
     rgb = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
@@ -276,7 +276,7 @@ def test_image_edge_cases_are_named_and_decoded(tmp_path: Path, monkeypatch: pyt
              "alpha.png": lambda p: cv2.imwrite(str(p), np.dstack([rgb, np.full((48, 64), 128, np.uint8)])),
              "large.jpg": lambda p: cv2.imwrite(str(p), cv2.resize(rgb, (256, 192)))}
     monkeypatch.setattr(validation, "LARGE_PIXELS", 10_000)  # 256 x 192 = 49,152 pixels: "very large" here
-    monkeypatch.setattr(cache, "LARGE_PIXELS", 10_000)
+    monkeypatch.setattr(decoding, "LARGE_PIXELS", 10_000)  # the decoder's own threshold
     kinds = {}
     for name, write in files.items():
         path = tmp_path / name
@@ -284,14 +284,14 @@ def test_image_edge_cases_are_named_and_decoded(tmp_path: Path, monkeypatch: pyt
         digest, findings = validation.check_image_file(path, "train")
         assert digest is not None and all(f.severity == "info" for f in findings)
         kinds[name] = {f.kind for f in findings}
-        img = cache.decode_image(path)
+        img = decoding.decode_image(path)
         assert img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3
     assert kinds == {"cmyk.jpg": {"image_cmyk"}, "deep.png": {"image_16bit"}, "alpha.png": {"image_alpha"},
                      "large.jpg": {"image_large"}}
-    img, factor = cache.decode_for(tmp_path / "large.jpg", 64)
-    assert factor == 4 and img.shape == (48, 64, 3)  # 256 // 4 = 64, not below the training size
-    out, meta = cache.load_letterboxed(tmp_path / "large.jpg", 64)
-    full = cache.decode_image(tmp_path / "large.jpg")
+    img, original = decoding.decode_for(tmp_path / "large.jpg", 64)
+    assert original == (192, 256) and img.shape == (48, 64, 3)  # 1/4: 256 // 4 = 64, not below the training size
+    out, meta = decoding.load_letterboxed(tmp_path / "large.jpg", 64)
+    full = decoding.decode_image(tmp_path / "large.jpg")
     from detscale.data.augment import letterbox
 
     reference, ratio, pad = letterbox(full, 64)

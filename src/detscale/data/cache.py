@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from detscale.data.decode import decode_for, letterboxed_meta
 from detscale.data.formats import DatasetError, DatasetSpec
 from detscale.errors import UserError
 from detscale.files import write_json
@@ -77,74 +78,6 @@ def cache_paths(out_dir: str | Path, split: str, imgsz: int) -> tuple[Path, Path
 
 
 # ---------------------------------------------------------------------------------------------
-# Decoding
-# ---------------------------------------------------------------------------------------------
-
-
-def decode_image(path: str | Path, data: bytes | None = None) -> np.ndarray:
-    """Decode an image file to ``uint8 [H, W, 3]`` RGB; :class:`DatasetError` when unreadable."""
-    import cv2  # here, not at import: a process that only reads a built cache needs no OpenCV
-
-    import detscale.data.augment  # noqa: F401  (sets OpenCV single-threaded before any fork)
-    if data is None:
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise DatasetError(f"cannot read image {path}: {exc.strerror}; run `detscale validate`") from None
-    img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
-    if img is None or img.size == 0:
-        raise DatasetError(f"cannot decode image {path}; run `detscale validate` to find broken images")
-    return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
-
-
-#: Above this many pixels an image is "very large": a JPEG is decoded at 1/2, 1/4 or 1/8 of its size
-#: (libjpeg's own reduced decoding, never below the training size), so decoding one never takes
-#: more memory than an image of about this size; the validator names such images.
-LARGE_PIXELS = 40_000_000
-
-
-def decode_for(path: str | Path, imgsz: int, data: bytes | None = None) -> tuple[np.ndarray, int]:
-    """Decode an image for training at ``imgsz``: ``(RGB uint8 image, reduction factor)``.
-
-    A very large JPEG (:data:`LARGE_PIXELS`) is decoded reduced by the largest power of two (up to 8)
-    that keeps its long side at least ``imgsz``; everything else at full size (factor 1), as the
-    reference trainer reads it.
-    """
-    import cv2
-
-    data = Path(path).read_bytes() if data is None else data
-    from detscale.data.formats import header_size
-
-    size = header_size(data)
-    if size is not None and size[0] * size[1] > LARGE_PIXELS and data[:2] == b"\xff\xd8":
-        factor = 8
-        while factor > 1 and max(size) // factor < imgsz:
-            factor //= 2
-        if factor > 1:
-            flag = {2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4, 8: cv2.IMREAD_REDUCED_COLOR_8}
-            img = cv2.imdecode(np.frombuffer(data, np.uint8), flag[factor])
-            if img is not None and img.size:
-                return cv2.cvtColor(img, cv2.COLOR_BGR2RGB), factor
-    return decode_image(path, data), 1
-
-
-def letterboxed_meta(img: np.ndarray, factor: int, ratio: float, pad: Any) -> dict[str, Any]:
-    """The index entry's geometry of an image decoded at 1/``factor``: the original's shape and the
-    ratio from it, so predictions map back to the original's pixels."""
-    return {"orig_shape": [int(img.shape[0]) * factor, int(img.shape[1]) * factor], "ratio": ratio / factor,
-            "pad": list(pad)}
-
-
-def load_letterboxed(path: str | Path, imgsz: int) -> tuple[np.ndarray, dict[str, Any]]:
-    """Decode and letterbox one image (what ``cache: none`` does for every item)."""
-    from detscale.data.augment import letterbox
-
-    img, factor = decode_for(path, imgsz)
-    out, ratio, pad = letterbox(img, imgsz)
-    return out, letterboxed_meta(img, factor, ratio, pad)
-
-
-# ---------------------------------------------------------------------------------------------
 # Building
 # ---------------------------------------------------------------------------------------------
 
@@ -166,12 +99,12 @@ def _fill_slot(job: tuple[int, str]) -> tuple[int, dict[str, Any]]:
     from detscale.data.augment import letterbox
 
     array = _WORKER["array"]
-    img, factor = decode_for(path, array.shape[1], data)
+    img, original = decode_for(path, array.shape[1], data)
     _, ratio, pad = letterbox(img, array.shape[1], out=array[i])
     return i, {
         "crc32": zlib.crc32(array[i]),  # checked whenever the image is read (CachedImages.image)
         "path": path,
-        **letterboxed_meta(img, factor, ratio, pad),
+        **letterboxed_meta(img, original, ratio, pad),
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
         "sha1": hashlib.sha1(data).hexdigest(),

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from detscale.data import formats
-from detscale.data.cache import LARGE_PIXELS
+from detscale.data.decode import LARGE_PIXELS
 
 # A box edge may pass the image border by this much without a note (rounding in label tools).
 TOLERANCE = 1e-3

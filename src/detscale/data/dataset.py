@@ -27,7 +27,8 @@ from torch.utils.data import Dataset
 
 from detscale.config import CACHE_MODES, AugmentConfig
 from detscale.data import augment as aug
-from detscale.data.cache import CachedImages, CacheError, cache_paths, load_letterboxed, open_cache
+from detscale.data.cache import CachedImages, CacheError, cache_paths, open_cache
+from detscale.data.decode import load_letterboxed
 from detscale.data.formats import DatasetError, label_path_for, load_spec, read_labels
 
 log = logging.getLogger(__name__)
