@@ -99,7 +99,6 @@ class ImageResult:
 # Checking one image and its labels (runs in the worker processes)
 # ---------------------------------------------------------------------------------------------
 
-_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _PNG_END = b"IEND\xaeB`\x82"
 
 
@@ -107,7 +106,7 @@ def _is_truncated(data: bytes) -> bool:
     """JPEG and PNG end with a fixed marker; without it the file was cut short."""
     if data.startswith(b"\xff\xd8"):
         return not data.rstrip(b"\x00").endswith(b"\xff\xd9")  # some writers pad with zeros
-    if data.startswith(_PNG_MAGIC):
+    if data.startswith(formats.PNG_MAGIC):
         return not data.endswith(_PNG_END)
     return False
 
@@ -154,7 +153,7 @@ def _image_notes(data: bytes, img: np.ndarray, size: tuple[int, int] | None, lar
     notes = []
     try:
         with Image.open(io.BytesIO(data)) as im:
-            mode, orientation = im.mode, im.getexif().get(0x0112, 1)
+            mode, orientation = im.mode, im.getexif().get(formats.EXIF_ORIENTATION_TAG, 1)
     except (UnidentifiedImageError, OSError):
         mode, orientation = "", 1
     if orientation not in (1, None):

@@ -253,8 +253,29 @@ def write_data_yaml(out: Path, names: Iterable[str], train: str | Path, val: str
 
 
 # EXIF orientations that swap width and height (rotations by 90 or 270 degrees).
-_EXIF_ORIENTATION_TAG = 0x0112
+EXIF_ORIENTATION_TAG = 0x0112
 _SWAPPING_ORIENTATIONS = {5, 6, 7, 8}
+
+
+def image_geometry(path: Path) -> tuple[int, int, int]:
+    """``(width, height, EXIF orientation)`` of an image as stored, from the header only (1: none)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            width, height = im.size
+            orientation = int(im.getexif().get(EXIF_ORIENTATION_TAG, 1) or 1)
+    except (FileNotFoundError, UnidentifiedImageError, OSError) as exc:
+        raise DatasetError(
+            f"{path}: cannot read the image header ({exc}); run `detscale validate` on the dataset "
+            "and use the clean data.yaml it writes"
+        ) from None
+    return int(width), int(height), orientation
+
+
+def decoded_size(width: int, height: int, orientation: int) -> tuple[int, int]:
+    """``(width, height)`` of a stored image once its EXIF orientation is applied, as OpenCV decodes it."""
+    return (height, width) if orientation in _SWAPPING_ORIENTATIONS else (width, height)
 
 
 def image_size(path: Path) -> tuple[int, int]:
@@ -263,30 +284,17 @@ def image_size(path: Path) -> tuple[int, int]:
     Pillow reads the header lazily (no decoding); the EXIF orientation is applied because
     OpenCV applies it on decode, and the boxes are mapped back to that decoded image.
     """
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            width, height = im.size
-            orientation = im.getexif().get(_EXIF_ORIENTATION_TAG, 1)
-    except (FileNotFoundError, UnidentifiedImageError, OSError) as exc:
-        raise DatasetError(
-            f"{path}: cannot read the image header ({exc}); run `detscale validate` on the dataset "
-            "and use the clean data.yaml it writes"
-        ) from None
-    if orientation in _SWAPPING_ORIENTATIONS:
-        width, height = height, width
-    return int(width), int(height)
+    return decoded_size(*image_geometry(path))
 
 
 # JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic): they carry the size.
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def header_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) from a JPEG's frame header or a PNG's IHDR; None for other formats."""
-    if data.startswith(_PNG_MAGIC) and len(data) >= 24:
+    if data.startswith(PNG_MAGIC) and len(data) >= 24:
         w, h = struct.unpack(">II", data[16:24])
         return w, h
     if data.startswith(b"\xff\xd8"):

@@ -50,7 +50,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from detscale.data.formats import SPLITS, DatasetError, image_size, read_yaml_mapping, write_data_yaml
+from detscale.data.formats import (
+    SPLITS,
+    DatasetError,
+    decoded_size,
+    image_geometry,
+    read_yaml_mapping,
+    write_data_yaml,
+)
 
 FORMATS = ("yolo", "coco", "voc")
 SOURCE_FILE = "source.json"
@@ -129,14 +136,6 @@ def _entry(raw: dict[str, Any], split: str, yaml_path: Path) -> Any:
     return raw[split]
 
 
-def _orientation(image: Path) -> tuple[int, int, int]:
-    """(width, height) as stored, before any EXIF orientation, and the EXIF orientation (1: none)."""
-    from PIL import Image
-
-    with Image.open(image) as im:
-        return im.size[0], im.size[1], int(im.getexif().get(0x0112, 1) or 1)
-
-
 def exif_box(bbox: list[float], orientation: int, width: int, height: int) -> list[float]:
     """A box ``[x, y, w, h]`` on the image as stored (``width`` x ``height``) moved onto the image as
     decoded with EXIF ``orientation`` applied (2-8: mirrored, rotated, or both; TIFF/EXIF 2.3)."""
@@ -161,11 +160,11 @@ def _fit(image: Path, width: int, height: int, notes: list[str], split: str) -> 
         notes.append(f"{split}: {image} is listed in the annotations but does not exist: left out")
         return None
     try:
-        decoded = image_size(image)
-        stored_w, stored_h, orientation = _orientation(image)
-    except (DatasetError, OSError) as exc:
+        stored_w, stored_h, orientation = image_geometry(image)  # one header read per image
+    except DatasetError as exc:
         notes.append(f"{split}: {image}: {exc}: left out")
         return None
+    decoded = decoded_size(stored_w, stored_h, orientation)
     if decoded == (width, height):
         if orientation != 1:  # 2-4 keep the sides: the size cannot tell which image the boxes were drawn on
             notes.append(f"{split}: {image} has EXIF orientation {orientation}, which keeps its sides; its boxes are "

@@ -203,6 +203,7 @@ class ProgressBar(Hook):
         # an estimate of the global loss from this rank's batches: the mean over ranks of local
         # normalisers, or the sum of the shares of a global one
         self.scale = world_size if global_normaliser else 1
+        self.main = dist.is_main()
         self.bar: Any = None
         self.shown = 0.0
         self.batches = 0
@@ -212,13 +213,13 @@ class ProgressBar(Hook):
 
         self.batches = batches
         self.bar = tqdm(total=batches, initial=step, desc=f"epoch {epoch + 1}/{self.epochs}", unit="batch",
-                        disable=not dist.is_main(), leave=False, mininterval=1.0, file=sys.stderr)
+                        disable=not self.main, leave=False, mininterval=1.0, file=sys.stderr)
         self.shown = time.perf_counter()
 
     def step_end(self, step: int, images: int, loss_sum: torch.Tensor) -> None:
         self.bar.update(1)
         done = step + 1
-        if dist.is_main() and (time.perf_counter() - self.shown > self.every_s or done == self.batches):
+        if self.main and (time.perf_counter() - self.shown > self.every_s or done == self.batches):
             box, cls, dfl = (loss_sum * self.scale / done).tolist()
             self.bar.set_postfix_str(f"box={box:.3f} cls={cls:.3f} dfl={dfl:.3f}")
             self.shown = time.perf_counter()

@@ -96,6 +96,25 @@ def coco_ground_truth(spec: DatasetSpec, split: str) -> dict[str, Any]:
     }
 
 
+def _source_records(spec: DatasetSpec, split: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A converted dataset's ``source.json`` and its record of every image of ``split``, in the split's order."""
+    try:
+        source = json.loads(spec.source.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DatasetError(f"{spec.source}: cannot read the converted dataset's source ({exc}); run "
+                           "`detscale validate` again") from None
+    by_name = source["splits"][split]
+    base = spec.source.parent / "images" / split
+    records = []
+    for path in spec.splits[split]:
+        try:
+            records.append(by_name[str(Path(path).relative_to(base))])
+        except (ValueError, KeyError):
+            raise DatasetError(f"{path} is not an image of {spec.source}'s {split} split; run `detscale validate` "
+                               "again") from None
+    return source, records
+
+
 def source_ground_truth(spec: DatasetSpec, split: str) -> dict[str, Any]:
     """The ground truth of a converted COCO or VOC dataset: its own annotations, not the YOLO labels.
 
@@ -106,21 +125,10 @@ def source_ground_truth(spec: DatasetSpec, split: str) -> dict[str, Any]:
     in the split, category = class id); COCOeval's figures do not depend on the ids, so they are
     those of the original file scored with predictions mapped back to its ids (tested).
     """
-    try:
-        source = json.loads(spec.source.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DatasetError(f"{spec.source}: cannot read the converted dataset's source ({exc}); run "
-                           "`detscale validate` again") from None
-    records = source["splits"][split]
-    base = spec.source.parent / "images" / split
+    source, records = _source_records(spec, split)
     images: list[dict[str, Any]] = []
     annotations: list[dict[str, Any]] = []
-    for image_id, path in enumerate(spec.splits[split]):
-        try:
-            record = records[str(Path(path).relative_to(base))]
-        except (ValueError, KeyError):
-            raise DatasetError(f"{path} is not an image of {spec.source}'s {split} split; run `detscale validate` "
-                               "again") from None
+    for image_id, (path, record) in enumerate(zip(spec.splits[split], records, strict=True)):
         images.append({"id": image_id, "file_name": str(path), "width": record["width"], "height": record["height"]})
         for a in record["annotations"]:
             annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": a["class"],
@@ -144,12 +152,10 @@ def original_ids(spec: DatasetSpec, split: str, detections: list[dict[str, Any]]
     """
     if spec.source is None:
         return detections, None
-    source = json.loads(spec.source.read_text())
+    source, records = _source_records(spec, split)
     if source["format"] != "coco":
         return detections, None
-    base = spec.source.parent / "images" / split
-    records = source["splits"][split]
-    image_ids = [records[str(Path(p).relative_to(base))]["image_id"] for p in spec.splits[split]]
+    image_ids = [r["image_id"] for r in records]
     categories = source["category_ids"]
     mapped = [dict(d, image_id=image_ids[d["image_id"]], category_id=categories[d["category_id"]])
               for d in detections]

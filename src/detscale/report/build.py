@@ -296,7 +296,7 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     run_configs = {r.point.run_id: (r.run_dir / "config.yaml").read_text() for r in runs}
     page = html.render(rows, plot_paths, notes, methods(rows, cfg), envs, config_path.read_text(),
                        str(config_path), run_configs, deltas, comm, projections, no_projection, tips,
-                       reference.markdown(published, beside))
+                       published, beside)
     html_path = out / "index.html"
     write_text(page, html_path)
     log.info("report of %d run(s) written to %s", len(rows), out)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from detscale.report import tables
+from detscale.report import reference, tables
 from detscale.report.communication import COMM_METHOD, comm_rows
 from detscale.report.projection import INTERVAL_METHOD, checks_table
 
@@ -78,7 +78,8 @@ def render(
     projections: Sequence[Any] = (),
     no_projection: Sequence[str] = (),
     tips: Sequence[Any] = (),
-    reference_md: Sequence[str] = (),
+    published: Sequence[Any] = (),
+    drawn: Sequence[Any] = (),
 ) -> str:
     """The whole page as a string (``deltas``: :class:`~detscale.report.accuracy.PairedDelta` per point)."""
     from detscale.report.plots import PLOTS
@@ -122,7 +123,8 @@ def render(
     parts += communication_section(comm, projections, no_projection)
     parts.append("<h2>Plots</h2>")
     parts += [image(path, PLOTS.get(name, name)) for name, path in plots.items()]
-    parts += markdown_section(reference_md)
+    parts += [f"<h2>{_e(reference.HEADING)}</h2>", f"<p>{_e(reference.intro(drawn))}</p>",
+              table(reference.HEADER, reference.rows(published), left=3)]
     parts.append("<h2>Every run</h2>")
     cols = ["run", "gpus", "seed", "global_batch", "images_per_s", "speedup", "efficiency", "data_wait_share",
             "peak_mem_gb_per_gpu", "epoch_seconds", "map50", "map50_95", "delta_map50_95_vs_1gpu", "time_to_target_s",
@@ -141,21 +143,6 @@ def render(
                      f"semantics)</summary><pre>{_e(text)}</pre></details>")
     parts.append("</body></html>")
     return "\n".join(parts)
-
-
-def markdown_section(lines: Sequence[str]) -> list[str]:
-    """A report section written as Markdown (a ``## `` heading, paragraphs, one pipe table) as HTML."""
-    parts: list[str] = []
-    rows = [line for line in lines if line.startswith("|")]
-    for line in lines:
-        if line.startswith("## "):
-            parts.append(f"<h2>{_e(line[3:])}</h2>")
-        elif line and not line.startswith("|"):
-            parts.append(f"<p>{_e(line)}</p>")
-    if len(rows) > 2:
-        cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
-        parts.append(table(cells[0], cells[2:], left=len(cells[0])))
-    return parts
 
 
 def communication_section(comm: Sequence[Mapping[str, Any]], projections: Sequence[Any],

@@ -65,18 +65,30 @@ def matching(points: Sequence[ReferencePoint], gpu_models: Sequence[str]) -> lis
     return [p for p in points if any(p.device_match in (m or "") for m in gpu_models)]
 
 
-def markdown(points: Sequence[ReferencePoint], drawn: Sequence[ReferencePoint]) -> list[str]:
-    lines = ["", "## Published reference figures", "",
-             "Other trainers' published multi-GPU figures, as their sources give them (epoch time; img/s = images "
-             "per epoch / seconds; speed-up against their own 1-GPU time). Not the same model, data or software as "
-             "the runs above: read them for the shape of the curve on a card, not as a target."
-             + (" Drawn on the efficiency plot: the entries on this report's card family." if drawn else
-                " None is on this report's card family, so none is drawn."), "",
-             "| trainer | model | card | batch/GPU | GPUs | epoch | img/s | speed-up | efficiency | source |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+HEADING = "Published reference figures"
+HEADER = ["trainer", "model", "card", "batch/GPU", "GPUs", "epoch", "img/s", "speed-up", "efficiency", "source"]
+
+
+def intro(drawn: Sequence[ReferencePoint]) -> str:
+    return ("Other trainers' published multi-GPU figures, as their sources give them (epoch time; img/s = images "
+            "per epoch / seconds; speed-up against their own 1-GPU time). Not the same model, data or software as "
+            "the runs above: read them for the shape of the curve on a card, not as a target."
+            + (" Drawn on the efficiency plot: the entries on this report's card family." if drawn else
+               " None is on this report's card family, so none is drawn."))
+
+
+def rows(points: Sequence[ReferencePoint]) -> list[list[str]]:
+    """The table's cells, one row per point (:data:`HEADER`), for the Markdown and the HTML report."""
+    out = []
     for p in points:
         minutes, seconds = divmod(int(round(p.epoch_seconds)), 60)
-        lines.append(f"| {p.trainer} | {p.model} {p.imgsz} px | {p.device} | {p.batch_per_gpu} | {p.gpus} | "
-                     f"{minutes}:{seconds:02d} | {p.images_per_s:.0f} | {p.speedup:.2f} | {p.efficiency:.0%} | "
-                     f"{p.source} |")
-    return lines
+        out.append([p.trainer, f"{p.model} {p.imgsz} px", p.device, str(p.batch_per_gpu), str(p.gpus),
+                    f"{minutes}:{seconds:02d}", f"{p.images_per_s:.0f}", f"{p.speedup:.2f}", f"{p.efficiency:.0%}",
+                    p.source])
+    return out
+
+
+def markdown(points: Sequence[ReferencePoint], drawn: Sequence[ReferencePoint]) -> list[str]:
+    return (["", f"## {HEADING}", "", intro(drawn), "", "| " + " | ".join(HEADER) + " |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+            + ["| " + " | ".join(r) + " |" for r in rows(points)])
