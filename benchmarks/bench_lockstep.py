@@ -257,8 +257,10 @@ class RecordingLoader:
     def __iter__(self) -> Iterator[Any]:
         for i, (imgs, targets, metas) in enumerate(self.loader):
             epoch = self.sampler.epoch
-            if self.writer is not None:
-                self.writer.add(epoch, i, imgs, targets)
+            if self.writer is not None:  # kept flat [n, 6], the form both trainers' replays read
+                from detscale.loss import flat_targets
+
+                self.writer.add(epoch, i, imgs, flat_targets(targets) if targets.dim() == 3 else targets)
             self.recorder.on_batch(epoch, i)
             yield imgs, targets, metas
 

@@ -29,6 +29,9 @@ each timed and guarded so that one failure does not hide the rest:
                 the real loop (``train_one_epoch``, per-step instrumentation on), and the same
                 steps with the instrumentation off (no per-step synchronisation), alternating,
                 so the instrument's cost on a GPU is measured side by side.
+``compile``     the same loop at the first throughput point with ``train.compile`` off, model and
+                step, bare epochs alternated between the modes: first epoch (compilation), steady
+                img/s, x eager, MFU, graphs, graph breaks and recompilations.
 
 ``--budget-s`` bounds the whole run: a section that would not fit in what is left is recorded
 as skipped. ``--only a,b`` reruns chosen sections (``data`` is added when one needs it).
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare_paths(args.wheels.resolve() if args.wheels else None)
     # Only now can detscale (and the wheels it needs) be imported: the sections import it at their top.
+    from gpukit.compile import section_compile
     from gpukit.data import section_data
     from gpukit.env import section_env
     from gpukit.groups import run_group
@@ -159,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         ("ddp", 20, lambda: run_group(kit, sizes, "ddp", 2, "gloo")),
         ("loader", 30, lambda: section_loader(kit, sizes)),
         ("throughput", 40, lambda: section_throughput(kit, sizes)),
+        ("compile", 60, lambda: section_compile(kit, sizes)),
         ("profile", 20, lambda: section_profile(kit, sizes)),
     ]
     for name, need_s, fn in plan:

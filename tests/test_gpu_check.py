@@ -32,7 +32,8 @@ def test_tiny_kit_runs_every_section_and_writes_its_json(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "gpu_check.json").read_text())
     sections = results["sections"]
-    assert list(sections) == ["env", "models", "data", "launch", "nccl", "ddp", "loader", "throughput", "profile"]
+    assert list(sections) == ["env", "models", "data", "launch", "nccl", "ddp", "loader", "throughput", "compile",
+                              "profile"]
     assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(sections, "ok")
     assert all(s["seconds"] >= 0 for s in sections.values())
 
@@ -60,13 +61,21 @@ def test_tiny_kit_runs_every_section_and_writes_its_json(tmp_path: Path) -> None
         assert r["instrumented_images_per_s"] > 0 and r["bare_images_per_s"] > 0 and r["loss_finite"]
         assert 0 <= r["data_wait_share"] < 1 and r["rounds"] == 1
 
+    compiled = sections["compile"]
+    assert compiled["backend"] == "aot_eager" and (compiled["model"], compiled["batch"]) == ("gelan-t", 8)
+    assert [r["mode"] for r in compiled["rows"]] == ["off", "step"]
+    for r in compiled["rows"]:
+        assert r["steady_images_per_s"] > 0 and r["loss_finite"] and r["rounds"] == 1
+    for r in compiled["rows"][1:]:
+        assert r["graphs"] >= 1 and r["graph_breaks"] == 0 and r["first_step_seconds"] > 0
+
     profile = sections["profile"]
     assert set(profile["ms_per_part"]) == {"forward", "loss", "backward", "optimizer", "ema"}
     assert profile["top_self_cpu"] and profile["step_ms_unsynchronised"] > 0
 
     md = (out / "gpu_check.md").read_text()
     for heading in ("# detscale GPU check (tiny CPU self-test)", "## Models", "## Loader ceiling",
-                    "## Training throughput", "## One step of gelan-t"):
+                    "## Training throughput", "## Compiled step: gelan-t", "## One step of gelan-t"):
         assert heading in md
     assert "No CUDA device" in md or "GPU:" in md
     assert not (out / "work").exists()  # datasets and runs are removed unless --keep-work

@@ -6,6 +6,6 @@ imports nothing: the entry script reads the section names before the paths are s
 """
 
 #: The kit's sections, in the order they run.
-SECTIONS = ("env", "models", "data", "launch", "nccl", "ddp", "loader", "throughput", "profile")
+SECTIONS = ("env", "models", "data", "launch", "nccl", "ddp", "loader", "throughput", "compile", "profile")
 #: The sections that need the ``data`` section's datasets.
-NEEDS_DATA = frozenset({"launch", "nccl", "ddp", "loader", "throughput", "profile"})
+NEEDS_DATA = frozenset({"launch", "nccl", "ddp", "loader", "throughput", "compile", "profile"})

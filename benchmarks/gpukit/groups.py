@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from detscale import config, dist
 from detscale.data.formats import load_spec
 from detscale.engine.build import build_loaders, build_parts
+from detscale.engine.compiled import forward_loss
 from detscale.engine.loop import LoopState, optimizer_step, standard_hooks, to_input, train_one_epoch, train_step
 from detscale.engine.semantics import derive_semantics
 from detscale.engine.state import Progress
@@ -58,8 +59,8 @@ def _group_worker(rank: int, world: int, backend: str, store: str, cfg: config.E
             parts.model = DDP(parts.raw, device_ids=[0] if info.device.type == "cuda" else None,
                               gradient_as_bucket_view=True)
             imgs, targets, _ = next(iter(loader))
-            items = train_step(parts.model, parts.loss_fn, parts.scaler, to_input(imgs, info.device, True), targets,
-                               1, parts.amp_dtype)
+            items = train_step(forward_loss(parts.model, parts.loss_fn), parts.scaler,
+                               to_input(imgs, info.device, True), targets, 1, parts.amp_dtype)
             optimizer_step(parts, cfg.train.clip_grad_norm)
             wrapped_step = bool(torch.isfinite(items).all())
         state = {f"model.{k}": v.detach().cpu() for k, v in parts.raw.state_dict().items()}

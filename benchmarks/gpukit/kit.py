@@ -41,6 +41,10 @@ class Sizes:
     tp_warmup_steps: int
     workers: int  # loader workers of the training runs
     tp_points: tuple[tuple[str, int], ...] = ()  # overrides tp_models x tp_batches when given
+    # torch.compile's backend in the compile section: inductor on the card; the tiny self-test runs
+    # aot_eager (the same graphs, eager kernels), since inductor takes minutes per model on a small CPU
+    compile_backend: str = "inductor"
+    compile_modes: tuple[str, ...] = ("off", "model", "step")
 
     def throughput_points(self) -> list[tuple[str, int]]:
         return list(self.tp_points) or [(m, b) for m in self.tp_models for b in self.tp_batches]
@@ -53,7 +57,8 @@ def sizes_for(tiny: bool, cpus: int) -> Sizes:
         return Sizes(imgsz=64, model_batch=2, models=("gelan-t", "yolov9-t"), precisions=("fp32", "bf16", "fp16"),
                      train_images=48, val_images=8, launch_model="gelan-t", launch_batch=8, ddp_images=16, ddp_batch=4,
                      loader_workers=(0, 1), loader_batch=8, loader_seconds=0.5, tp_models=("gelan-t",),
-                     tp_batches=(8, 16), tp_rounds=1, tp_warmup_steps=1, workers=0)
+                     tp_batches=(8, 16), tp_rounds=1, tp_warmup_steps=1, workers=0, compile_backend="aot_eager",
+                     compile_modes=("off", "step"))
     workers = max(1, min(12, cpus - 2))
     return Sizes(imgsz=640, model_batch=2, models=models, precisions=("fp32", "bf16", "fp16"), train_images=1024,
                  val_images=64, launch_model="gelan-s", launch_batch=32, ddp_images=64, ddp_batch=8,
@@ -138,6 +143,31 @@ class DataPaths:
 
 def data_paths(work: Path) -> DataPaths:
     return DataPaths(work / "data" / "data.yaml", work / "cache", work / "ddp-data" / "data.yaml")
+
+
+@dataclass(frozen=True)
+class OneCard:
+    """What a section training on this process's one device needs: the device, the precision the
+    kit trains it in (bf16 on CUDA, fp32 on the CPU), the dataset paths, the (single-rank) group, nc."""
+
+    dev: torch.device
+    precision: str
+    paths: DataPaths
+    info: Any
+    nc: int
+
+
+def one_card(work: Path) -> OneCard:
+    """Set up a section that trains on one device: cuDNN autotuning on CUDA, a one-rank group."""
+    from detscale import dist
+    from detscale.data.formats import load_spec
+
+    dev = device()
+    paths = data_paths(work)
+    torch.backends.cudnn.benchmark = dev.type == "cuda"
+    info = dist.init_from_env(600, cpu_threads=None)
+    return OneCard(dev, "bf16" if dev.type == "cuda" else "fp32", paths, info,
+                   load_spec(paths.data_yaml, splits=()).nc)
 
 
 def experiment(data_yaml: Path, model: str, imgsz: int, batch: int, *, gpus: int = 1, cache: str = "disk",

@@ -78,6 +78,22 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{r['bare_images_per_s']:.0f} | {r['instrumented_epoch_s']:.2f} / {r['bare_epoch_s']:.2f} | "
                          f"{100 * r['instrument_cost']:+.1f} % | {100 * r['data_wait_share']:.1f} % | "
                          f"{_fmt(r.get('peak_allocated_gib'), 2)} | {_fmt(r.get('peak_reserved_gib'), 2)} |")
+    comp = s.get("compile", {})
+    if comp.get("rows"):
+        lines += ["", f"## Compiled step: {comp['model']} at {comp['imgsz']} px, batch {comp['batch']}, "
+                      f"{comp['precision']}, bare loop, modes alternated, backend {comp.get('backend')}", "",
+                  f"{comp['train_gflops_per_image']:.1f} training GFLOPs per image; peak {comp['peak_gflops']:.0f} "
+                  f"GFLOP/s ({comp['peak_method']})", "",
+                  "| train.compile | first epoch s (compilation) | img/s | x eager | MFU | graphs | graph breaks | "
+                  "recompiles after step 1 |", "|---|---|---|---|---|---|---|---|"]
+        for r in comp["rows"]:
+            if "skipped" in r:
+                lines.append(f"| {r['mode']} | skipped ({r['skipped']}) | | | | | | |")
+                continue
+            lines.append(f"| {r['mode']} | {r['first_epoch_s']:.1f} | {r['steady_images_per_s']:.0f} | "
+                         f"{_fmt(r.get('x_eager'), 2)} | {_fmt(100 * r['mfu'] if r.get('mfu') else None)} % | "
+                         f"{r.get('graphs', '-')} | {r.get('graph_breaks', '-')} | "
+                         f"{r.get('recompiles_after_first_step', '-')} |")
     prof = s.get("profile", {})
     if prof.get("ms_per_part"):
         split = ", ".join(f"{k} {v:.1f}" for k, v in prof["ms_per_part"].items())

@@ -10,16 +10,14 @@ from typing import Any
 
 import torch
 
-from detscale import dist
 from detscale.config import TrainConfig
-from detscale.data.formats import load_spec
 from detscale.engine.build import build_loaders, build_parts
 from detscale.engine.loop import Hook, LoopState, standard_hooks, train_one_epoch
 from detscale.engine.semantics import TrainSemantics, derive_semantics
 from detscale.engine.state import Parts, Progress
 from detscale.engine.stopflag import StopFlag
 from detscale.engine.timing import RankTiming
-from gpukit.kit import Kit, Sizes, data_paths, device, experiment, sync
+from gpukit.kit import Kit, Sizes, experiment, one_card, sync
 
 
 class SteadyWindow(Hook):
@@ -80,12 +78,8 @@ def instrumented_epoch(parts: Parts, loader: Any, epoch: int, sem: TrainSemantic
 
 
 def section_throughput(kit: Kit, sizes: Sizes) -> dict[str, Any]:
-    dev = device()
-    paths = data_paths(kit.work)
-    precision = "bf16" if dev.type == "cuda" else "fp32"
-    torch.backends.cudnn.benchmark = dev.type == "cuda"
-    info = dist.init_from_env(600, cpu_threads=None)
-    nc = load_spec(paths.data_yaml, splits=()).nc
+    card = one_card(kit.work)
+    dev, paths, precision, info, nc = card.dev, card.paths, card.precision, card.info, card.nc
     rows = []
     for model, batch in sizes.throughput_points():
         if kit.left() < 25:

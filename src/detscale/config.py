@@ -195,6 +195,9 @@ class TrainConfig:
     cpu_threads_per_rank: int = 1
     timing_warmup_steps: int = 5
     step_breakdown: bool = True
+    compile: str = "off"
+    compile_mode: str = "default"
+    target_bucket: int = 16
     val_interval: int = 0
     box_gain: float = 7.5
     cls_gain: float = 0.5
@@ -398,6 +401,8 @@ def _semantic_checks(cfg: ExperimentConfig, base: Path) -> None:
 def from_dict(raw: Mapping[str, Any], source: str = "config", base: str | Path = ".") -> ExperimentConfig:
     """Validate ``raw`` and build the frozen config; relative paths are checked against ``base``."""
     data = validate_dict(raw, source)
+    if data["train"].get("compile") is False:  # YAML 1.1 reads an unquoted `off` as false
+        data["train"] = {**data["train"], "compile": "off"}
     ds = dict(data["dataset"])
     if "synthetic" in ds:
         ds["synthetic"] = _build(SynthConfig, ds["synthetic"])

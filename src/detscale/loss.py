@@ -1,7 +1,10 @@
 """The YOLOv9 training loss: task-aligned assignment, BCE classification, CIoU + DFL box terms.
 
-Everything is vectorised over the batch: ground truth is padded to ``[B, M_max]`` once and the
-assigner works on ``[B, M_max, A]`` tensors, so no Python loop runs over images or boxes.
+Everything is vectorised over the batch: ground truth comes padded to ``[B, M]`` (by the loader,
+to a bucketed M) and the assigner works on ``[B, M, A]`` tensors, so no Python loop runs over
+images or boxes, and every shape in the step is fixed by the batch and the bucket, not by the
+data: nothing in the loss reads a value back from the device (``torch.compile`` traces it as one
+graph).
 
 Distributed contract (``docs/internals.md``): the trainer backpropagates ``loss * world_size``
 and DDP averages the gradients over ranks, so the step's gradient is the *sum* of the ranks'.
@@ -111,12 +114,13 @@ class TaskAlignedAssigner:
         return Assignment(fg_mask, labels, boxes, scores)
 
 
-def pad_targets(targets: torch.Tensor, bsz: int,
-                img_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``targets`` [N, 6] (batch_idx, cls, cx, cy, w, h normalised) -> per-image padded tensors.
+def pad_flat_targets(targets: torch.Tensor, bsz: int) -> torch.Tensor:
+    """``targets`` [N, 6] (batch_idx, cls, cx, cy, w, h) -> padded [B, M, 5] (cls, cx, cy, w, h),
+    ``cls = -1`` in the padding, M the largest number of objects in one image.
 
-    Returns ``labels`` [B, M] long, ``boxes`` [B, M, 4] xyxy in input pixels and ``mask`` [B, M]
-    bool, where M is the largest number of objects in one image (0 when there are none).
+    The flat form's M is data-dependent: reading it synchronises with the device and gives every
+    batch its own shape. The training loader pads on the CPU instead, to a bucketed M
+    (:func:`detscale.data.loader.collate`); this is for callers that hold the flat form.
     """
     device = targets.device
     img = targets[:, 0].long()
@@ -126,20 +130,45 @@ def pad_targets(targets: torch.Tensor, bsz: int,
     img_sorted = img[order]
     slot = torch.arange(len(order), device=device) - (torch.cumsum(counts, 0) - counts)[img_sorted]
     padded = torch.zeros(bsz, m, 5, device=device, dtype=torch.float32)
+    padded[..., 0] = -1.0
     padded[img_sorted, slot] = targets[order, 1:].float()
+    return padded
+
+
+def unpack_targets(padded: torch.Tensor,
+                   img_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded [B, M, 5] targets (normalised, ``cls = -1`` in the padding) -> ``labels`` [B, M] long,
+    ``boxes`` [B, M, 4] xyxy in input pixels, ``mask`` [B, M] bool. Shape-static: no synchronisation."""
     h, w = img_hw
-    scale = torch.tensor([w, h, w, h], device=device, dtype=torch.float32)
-    boxes = xywh2xyxy(padded[..., 1:] * scale)
-    mask = torch.arange(m, device=device)[None] < counts[:, None]
-    return padded[..., 0].long(), boxes, mask
+    scale = torch.tensor([w, h, w, h], device=padded.device, dtype=torch.float32)
+    mask = padded[..., 0] >= 0
+    return padded[..., 0].clamp(min=0).long(), xywh2xyxy(padded[..., 1:].float() * scale), mask
+
+
+def pad_targets(targets: torch.Tensor, bsz: int,
+                img_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``targets`` [N, 6] (batch_idx, cls, cx, cy, w, h normalised) -> per-image padded tensors.
+
+    Returns ``labels`` [B, M] long, ``boxes`` [B, M, 4] xyxy in input pixels and ``mask`` [B, M]
+    bool, where M is the largest number of objects in one image (0 when there are none).
+    """
+    return unpack_targets(pad_flat_targets(targets, bsz), img_hw)
+
+
+def flat_targets(padded: torch.Tensor) -> torch.Tensor:
+    """Padded [B, M, 5] -> flat [N, 6] (batch_idx, cls, cx, cy, w, h), the padding left out."""
+    b, m = torch.nonzero(padded[..., 0] >= 0, as_tuple=True)
+    return torch.cat((b[:, None].to(padded.dtype), padded[b, m]), 1)
 
 
 class DetectionLoss:
     """``loss, items = DetectionLoss(model)(preds, targets)``.
 
     ``preds`` is the training-mode output of the model (per-level maps, or ``(main, aux)`` for
-    the dual-head models); ``targets`` is [N, 6] (batch_idx, cls, cx, cy, w, h) normalised to the
-    input image. ``loss`` = (box_gain * CIoU + cls_gain * BCE + dfl_gain * DFL), plus
+    the dual-head models); ``targets`` normalised to the input image, either padded [B, M, 5]
+    (cls, cx, cy, w, h; ``cls = -1`` in the padding: the training loader's form, whose shapes are
+    static) or flat [N, 6] (batch_idx, cls, cx, cy, w, h). ``loss`` = (box_gain * CIoU + cls_gain *
+    BCE + dfl_gain * DFL), plus
     ``aux_weight`` times the same for the auxiliary head, multiplied by the batch size (this
     rank's, or the global one with ``global_normaliser``); ``items`` = detached (box, cls, dfl)
     with gains applied (auxiliary included), for logging: this rank's batch loss, or with
@@ -165,7 +194,9 @@ class DetectionLoss:
         first = heads[0][0][0]
         bsz = first.shape[0]
         img_hw = (int(first.shape[2] * self.strides[0]), int(first.shape[3] * self.strides[0]))
-        gt_labels, gt_boxes, gt_mask = pad_targets(targets.to(first.device), bsz, img_hw)
+        targets = targets.to(first.device)
+        padded = targets if targets.dim() == 3 else pad_flat_targets(targets, bsz)
+        gt_labels, gt_boxes, gt_mask = unpack_targets(padded, img_hw)
 
         parts = torch.zeros(3, device=first.device)
         for levels, weight in heads:
@@ -200,15 +231,19 @@ class DetectionLoss:
 
         bce = F.binary_cross_entropy_with_logits(pred_logits, target.scores, reduction="none").sum() / score_sum
 
-        fg = target.fg_mask
-        weight = target.scores.sum(-1)[fg]  # [n_fg]
-        target_boxes = target.boxes / stride  # grid units
-        ciou = bbox_ciou(pred_boxes[fg], target_boxes[fg]).squeeze(-1)
+        # Box terms over every anchor, weighted by its target score (zero for background): no
+        # boolean indexing, so the shapes do not depend on the data and nothing waits for the device.
+        fg = target.fg_mask[..., None]
+        weight = target.scores.sum(-1)  # [B, A], zero for background
+        # background anchors get a harmless target (a unit box at the anchor) so every term stays finite
+        unit = torch.cat((points - 0.5, points + 0.5), -1).expand(bsz, -1, -1)
+        target_boxes = torch.where(fg, target.boxes / stride, unit)  # grid units
+        ciou = bbox_ciou(pred_boxes, target_boxes).squeeze(-1)
         box = ((1.0 - ciou) * weight).sum() / score_sum
 
-        target_ltrb = bbox2dist(points.expand(bsz, -1, -1)[fg], target_boxes[fg], self.reg_max - 1)
-        dfl = (self._dfl(pred_dist[fg].view(-1, self.reg_max), target_ltrb.view(-1)).view(-1, 4).mean(-1)
-               * weight).sum() / score_sum
+        target_ltrb = bbox2dist(points.expand(bsz, -1, -1), target_boxes, self.reg_max - 1)
+        dfl = self._dfl(pred_dist.view(-1, self.reg_max), target_ltrb.reshape(-1)).view(bsz, -1, 4).mean(-1)
+        dfl = (dfl * weight).sum() / score_sum
         return torch.stack((box, bce, dfl))
 
     @staticmethod

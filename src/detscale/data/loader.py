@@ -33,17 +33,40 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from detscale.data.dataset import SampleKey
 
 
+def bucket_size(objects: int, smallest: int) -> int:
+    """The padded object count of a batch whose fullest image has ``objects``: ``smallest``,
+    doubled until it holds them (16, 32, 64, ... for ``smallest`` 16)."""
+    m = smallest
+    while m < objects:
+        m *= 2
+    return m
+
+
 def collate(
-    batch: Sequence[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]],
+    batch: Sequence[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]], bucket: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, Any]]]:
-    """``(imgs uint8 [B, 3, H, W], targets float32 [N, 6] (batch_idx, cls, cx, cy, w, h), metas)``."""
+    """``(imgs uint8 [B, 3, H, W], targets, metas)``.
+
+    ``bucket = 0``: targets flat, float32 [N, 6] (batch_idx, cls, cx, cy, w, h). ``bucket > 0``:
+    padded on the CPU to float32 [B, M, 5] (cls, cx, cy, w, h; ``cls = -1`` in the padding) with M
+    = :func:`bucket_size` of the fullest image, so that the training step sees a handful of shapes
+    over a whole run (one per bucket), never one per batch, and never reads M from the device.
+    """
     # numpy's single-threaded copy: torch.stack would wake torch's intra-op thread pool, which
     # costs more than the copy itself when the loader runs in a busy main process (workers=0).
     imgs = torch.from_numpy(np.stack([item[0].numpy() for item in batch]))
+    metas = [item[2] for item in batch]
+    if bucket > 0:
+        m = bucket_size(max((len(labels) for _, labels, _ in batch), default=0), bucket)
+        padded = np.zeros((len(batch), m, 5), dtype=np.float32)
+        padded[..., 0] = -1.0
+        for b, (_, labels, _) in enumerate(batch):
+            padded[b, :len(labels)] = labels.numpy()
+        return imgs, torch.from_numpy(padded), metas
     targets = [
         torch.cat([torch.full((len(labels), 1), float(b)), labels], dim=1) for b, (_, labels, _) in enumerate(batch)
     ]
-    return imgs, torch.cat(targets) if targets else torch.zeros((0, 6)), [item[2] for item in batch]
+    return imgs, torch.cat(targets) if targets else torch.zeros((0, 6)), metas
 
 
 class TrainSampler(Sampler[SampleKey]):
@@ -144,12 +167,13 @@ def build_train_loader(
     workers: int,
     pin_memory: bool = True,
     accumulate: int = 1,
+    target_bucket: int = 0,
 ) -> DataLoader:
     """Shuffled, distributed, augmented batches of ``batch_size`` for this rank (:class:`TrainSampler`).
 
     Each epoch holds whole optimiser steps of ``accumulate`` batches on every rank. Workers are
     persistent (when ``workers > 0``); memory is pinned only when CUDA is present. The same
-    ``seed`` gives the same batches, whatever ``workers`` is.
+    ``seed`` gives the same batches, whatever ``workers`` is. ``target_bucket``: see :func:`collate`.
     """
     sampler = TrainSampler(dataset, num_replicas=world_size, rank=rank, seed=seed, batch_size=batch_size,
                            accumulate=accumulate)
@@ -160,7 +184,7 @@ def build_train_loader(
         batch_size=batch_size,
         sampler=sampler,
         num_workers=workers,
-        collate_fn=collate,
+        collate_fn=partial(collate, bucket=target_bucket),
         pin_memory=pin_memory and torch.cuda.is_available(),
         drop_last=True,
         persistent_workers=workers > 0,

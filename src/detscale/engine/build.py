@@ -15,6 +15,7 @@ from torch import nn
 from detscale import dist
 from detscale.config import ExperimentConfig, RunPoint, TrainConfig
 from detscale.engine.buffers import SequentialBufferMerge
+from detscale.engine.compiled import forward_loss
 from detscale.engine.ddp import CommProbe, wrap_ddp
 from detscale.engine.ema import ModelEMA
 from detscale.engine.optim import build_optimizer, build_scheduler
@@ -76,7 +77,8 @@ def build_parts(point: RunPoint, nc: int, sem: TrainSemantics, tcfg: TrainConfig
         model = raw
     buffers = SequentialBufferMerge(raw) if sem.world_size > 1 and not sem.sync_bn else None
     seed_everything(rank_seed(sem.seed, info.rank))
-    return Parts(model, raw, ema, optimizer, scheduler, scaler, loss_fn, amp_dtype, buffers, comm_probe)
+    step = forward_loss(model, loss_fn, tcfg.compile, tcfg.compile_mode)
+    return Parts(model, raw, ema, optimizer, scheduler, scaler, loss_fn, amp_dtype, buffers, comm_probe, step)
 
 
 def build_loaders(point: RunPoint, cfg: ExperimentConfig, data_yaml: Path, cache_dir: Path | None,
@@ -90,7 +92,7 @@ def build_loaders(point: RunPoint, cfg: ExperimentConfig, data_yaml: Path, cache
                         f"step ({sem.global_batch} x {sem.accumulate} accumulated = {sem.images_per_optimizer_step}); "
                         "use a smaller batch or nominal_batch, or more images")
     train = build_train_loader(train_ds, sem.batch_per_rank, info.rank, info.world_size, sem.seed,
-                               cfg.train.workers, accumulate=sem.accumulate)
+                               cfg.train.workers, accumulate=sem.accumulate, target_bucket=cfg.train.target_bucket)
     left_out = len(train_ds) - len(train) * sem.global_batch
     if left_out > 0.1 * len(train_ds):
         log.warning("each epoch trains %d of the %d training images (whole optimiser steps of %d images; the "

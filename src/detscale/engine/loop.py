@@ -20,11 +20,10 @@ import contextlib
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from detscale import dist
 from detscale.engine.optim import apply_warmup, lr_factor, warmup_accumulate, warmup_iterations
@@ -33,6 +32,7 @@ from detscale.engine.timing import RankTiming, StepTimer
 
 if TYPE_CHECKING:
     from detscale.config import TrainConfig
+    from detscale.engine.compiled import ForwardLoss
     from detscale.engine.semantics import TrainSemantics
     from detscale.engine.stopflag import StopFlag
 
@@ -49,8 +49,7 @@ def to_input(imgs: torch.Tensor, device: torch.device, channels_last: bool) -> t
 
 
 def train_step(
-    model: nn.Module,
-    loss_fn: Any,
+    forward_loss: ForwardLoss,
     scaler: torch.amp.GradScaler,
     x: torch.Tensor,
     targets: torch.Tensor,
@@ -60,12 +59,13 @@ def train_step(
 ) -> torch.Tensor:
     """Forward and backward of one batch on this rank; returns the detached (box, cls, dfl) items.
 
-    Gradients accumulate in ``.grad``; the optimiser steps separately (:func:`optimizer_step`).
+    ``forward_loss(x, targets) -> (loss, items)``: the model and the loss, eager or compiled
+    (:func:`detscale.engine.compiled.forward_loss`). Gradients accumulate in ``.grad``; the
+    optimiser steps separately (:func:`optimizer_step`).
     ``hook`` (when given) hears the end of the forward (loss included) and of the backward.
     """
     with torch.autocast(x.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        preds = model(x)
-        loss, items = loss_fn(preds, targets.to(x.device, non_blocking=True))
+        loss, items = forward_loss(x, targets.to(x.device, non_blocking=True))
     if hook is not None:
         hook.forward_end()
     # DDP averages gradients over ranks: x world size makes the step's gradient the ranks' sum.
@@ -260,13 +260,27 @@ class LoaderCpu(Hook):
             self.timing.loader_images += images
 
 
-def standard_hooks(loop: LoopState, timing: RankTiming, stop: StopFlag) -> Hooks:
-    """What ``detscale train`` attaches: timing, the progress bar, the stop vote, loader CPU."""
+class FirstStep(Hook):
+    """Calls ``callback`` once, when the first batch of this process is trained (the compile watch
+    reads what compiling it cost)."""
+
+    def __init__(self, callback: Any) -> None:
+        self.callback, self.done = callback, False
+
+    def step_end(self, step: int, images: int, loss_sum: torch.Tensor) -> None:
+        if not self.done:
+            self.done = True
+            self.callback()
+
+
+def standard_hooks(loop: LoopState, timing: RankTiming, stop: StopFlag, extra: Sequence[Hook] = ()) -> Hooks:
+    """What ``detscale train`` attaches: timing, the progress bar, the stop vote, loader CPU (and ``extra``)."""
     return Hooks([
         TimingHook(loop.parts, loop.device, timing, loop.train.step_breakdown),
         ProgressBar(loop.sem.epochs, loop.sem.world_size, loop.parts.loss_fn.global_normaliser),
         StopVote(stop, loop.device),
         LoaderCpu(loop.loader, timing),
+        *extra,
     ])
 
 
@@ -285,6 +299,7 @@ class LoopState:
     train: TrainConfig
     device: torch.device
     progress: Progress
+    target_buckets: dict[int, int] = field(default_factory=dict)  # batches per padded object count
 
 
 @dataclass
@@ -320,6 +335,8 @@ def train_one_epoch(loop: LoopState, epoch: int, hooks: Hook | None = None) -> E
         hook.data_start()
         imgs, targets, _metas = next(batches)
         hook.data_end()
+        if targets.dim() == 3:  # padded to a bucket: one compiled graph per bucket
+            loop.target_buckets[targets.shape[1]] = loop.target_buckets.get(targets.shape[1], 0) + 1
         iteration = epoch * nb + i
         accumulate = sem.accumulate
         if iteration < warmup_iters:
@@ -332,7 +349,7 @@ def train_one_epoch(loop: LoopState, epoch: int, hooks: Hook | None = None) -> E
         sync = contextlib.nullcontext() if boundary or sem.world_size == 1 else parts.model.no_sync()
         before = parts.buffers.snapshot() if parts.buffers is not None else None
         with sync:
-            items = train_step(parts.model, parts.loss_fn, parts.scaler, to_input(imgs, device, sem.channels_last),
+            items = train_step(parts.forward_loss, parts.scaler, to_input(imgs, device, sem.channels_last),
                                targets, sem.world_size, parts.amp_dtype, hook)
         if parts.buffers is not None:
             parts.buffers.merge(before)

@@ -68,8 +68,11 @@ def accumulate_steps(nominal_batch: int, global_batch: int) -> int:
 
 def derive_semantics(cfg: ExperimentConfig, point: RunPoint, world_size: int, device_type: str) -> TrainSemantics:
     """The run's training semantics on ``world_size`` ranks of ``device_type`` (``cuda`` or ``cpu``)."""
+    from detscale.engine.compiled import check_compile
+
     t = cfg.train
     check_world_size(point, world_size)
+    check_compile(t.compile, t.compile_mode, t.sync_bn, world_size)
     global_batch = point.global_batch
     accumulate = accumulate_steps(t.nominal_batch, global_batch)
     per_step = global_batch * accumulate
@@ -131,7 +134,7 @@ def check_run_request(config_path: str | Path, run_id: str, world_size: int) -> 
 
 #: Train settings that change how a run executes but not what it computes: changing them keeps resume.
 RUNTIME_ONLY = frozenset({"workers", "cpu_threads_per_rank", "timing_warmup_steps", "timeout_s", "max_restarts",
-                          "val_interval", "step_breakdown"})
+                          "val_interval", "step_breakdown", "compile", "compile_mode", "target_bucket"})
 
 
 def config_digest(cfg: ExperimentConfig, point: RunPoint) -> str:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from detscale.engine.buffers import SequentialBufferMerge
+from detscale.engine.compiled import ForwardLoss, forward_loss
 from detscale.engine.ema import ModelEMA
 
 if TYPE_CHECKING:
@@ -60,6 +61,11 @@ class Parts:
     amp_dtype: torch.dtype | None
     buffers: SequentialBufferMerge | None  # N ranks without SyncBN: BatchNorm statistics merged per batch
     comm_probe: CommProbe | None = None  # N ranks with the step breakdown: tells the timer when buckets go
+    forward_loss: ForwardLoss | None = None  # (x, targets) -> (loss, items), eager or compiled (train.compile)
+
+    def __post_init__(self) -> None:
+        if self.forward_loss is None:
+            self.forward_loss = forward_loss(self.model, self.loss_fn)
 
 
 @dataclass

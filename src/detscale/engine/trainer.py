@@ -51,7 +51,8 @@ from detscale import config, dist, layout
 from detscale.config import ExperimentConfig, RunPoint
 from detscale.engine.build import build_loaders, build_parts
 from detscale.engine.checkpoint import checkpoint_dict, find_resume_checkpoint, restore, save_last
-from detscale.engine.loop import LoopState, standard_hooks, train_one_epoch
+from detscale.engine.compiled import CompileWatch
+from detscale.engine.loop import FirstStep, LoopState, standard_hooks, train_one_epoch
 from detscale.engine.mfu import measure_peak, mfu_fields, train_gflops_per_image
 from detscale.engine.semantics import TrainSemantics, config_digest, derive_semantics
 from detscale.engine.state import Progress, RunPaths, RunState
@@ -239,9 +240,11 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
     started_at = time.time()
     stop = StopFlag()
     stop.install()
+    watch = CompileWatch(cfg.train.compile, cfg.train.compile_mode)
+    watch.start()
     try:
-        stopped = _epochs(RunState(cfg, point, sem, info, digest, spec.nc, paths, parts, progress, timing, stop,
-                                   train_loader, val_loader, gt_json))
+        stopped, buckets = _epochs(RunState(cfg, point, sem, info, digest, spec.nc, paths, parts, progress, timing,
+                                            stop, train_loader, val_loader, gt_json), watch)
     finally:
         stop.uninstall()
     if stopped:
@@ -252,11 +255,14 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
     memory = dist.all_gather_object(peak_memory(info.device))
     timings = dist.all_gather_object(timing.state_dict())
     peaks = dist.all_gather_object(peak)
+    compiled = dist.all_gather_object({**watch.report(), "target_buckets": buckets})
     if info.is_main:
         extra = {"threads_per_rank": threads if info.device.type == "cpu" else None, "precision": sem.precision,
                  "accumulate": sem.accumulate, "steps_per_epoch": len(train_loader), "epochs": sem.epochs,
                  "workers_per_rank": cfg.train.workers, "cache": point.cache,
-                 "started_at": started_at, "finished_at": time.time()}
+                 "started_at": started_at, "finished_at": time.time(),
+                 # per rank: what torch.compile did, and batches per padded object count (this attempt)
+                 "compile_per_rank": compiled}
         report = timing_report(timings, memory, info.device.type, info.backend, sem.batch_per_rank,
                                sem.global_batch, extra)
         report.update(mfu_fields(gflops, report["images_per_s"], peaks, sem.precision, env.get("gpu_model")))
@@ -269,15 +275,15 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
     return 0
 
 
-def _epochs(run: RunState) -> bool:
-    """The epoch loop; True when stopped early by a signal (last.pt written)."""
+def _epochs(run: RunState, watch: CompileWatch) -> tuple[bool, dict[int, int]]:
+    """The epoch loop; (True when stopped early by a signal (last.pt written), batches per target bucket)."""
     parts, progress, sem, cfg, paths, timing = run.parts, run.progress, run.sem, run.cfg, run.paths, run.timing
 
     def checkpoint() -> dict[str, Any] | None:
         return checkpoint_dict(parts, progress, run.point, run.nc, run.digest, sem, timing)
 
     loop = LoopState(parts, run.train_loader, sem, cfg.train, run.info.device, progress)
-    hooks = standard_hooks(loop, timing, run.stop)
+    hooks = standard_hooks(loop, timing, run.stop, [FirstStep(watch.first_step_done)])
     while progress.epoch < sem.epochs:
         epoch = progress.epoch
         result = train_one_epoch(loop, epoch, hooks)
@@ -286,7 +292,7 @@ def _epochs(run: RunState) -> bool:
             if save is not None:
                 save_last(save, paths, run.digest)
             dist.barrier()
-            return True
+            return True, loop.target_buckets
         timing.epoch_seconds.append(result.seconds)
         timing.train_seconds += result.seconds
         lrs = [g["lr"] for g in parts.optimizer.param_groups]  # the rates this epoch ended with
@@ -323,5 +329,5 @@ def _epochs(run: RunState) -> bool:
                      f", mAP@0.5:0.95 {row['map50_95']:.4f}" if "map50_95" in row else "")
         if result.stopped:
             dist.barrier()
-            return True
-    return False
+            return True, loop.target_buckets
+    return False, loop.target_buckets
