@@ -14,7 +14,10 @@ slows every mode alike, and each figure is the median over rounds of the mean ov
 steps, with the range over rounds. Beside img/s: the ratio to eager per round (median and range),
 the graphs and graph breaks torch.compile reported, and the MFU against a matrix-multiply peak
 measured on the same threads (:func:`detscale.engine.mfu.measure_peak`; training FLOPs = 3 x the
-training-mode forward, :func:`detscale.engine.mfu.train_gflops_per_image`).
+training-mode forward, :func:`detscale.engine.mfu.train_gflops_per_image`), and how far each
+mode's weights end from eager's after the same steps (distance over distance moved) beside the
+floor: an eager copy from weights one float32 ulp away, trained on the same batches (rounding alone;
+AdamW's sign-like first steps make any rounding difference grow, as the lockstep runs show).
 
 On CUDA (``--device cuda``) the steps are synchronised at the end of every round, not per step.
 """
@@ -74,12 +77,25 @@ def make_step(base: torch.nn.Module, mode: str, data: list[Batch]) -> tuple[Call
     return step, model
 
 
-def weight_drift(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    worst = 0.0
-    for wa, wb in zip(a.state_dict().values(), b.state_dict().values(), strict=True):
-        if wa.is_floating_point() and wa.numel():
-            worst = max(worst, ((wa - wb).abs().max() / wa.abs().max().clamp(min=1e-12)).item())
-    return worst
+def flat_weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([w.detach().double().flatten() for w in model.state_dict().values() if w.is_floating_point()])
+
+
+def perturbed(base: torch.nn.Module) -> torch.nn.Module:
+    """``base`` with every weight multiplied by 1 + 1e-7 x N(0, 1): about one float32 ulp."""
+    model = copy.deepcopy(base)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for w in model.parameters():
+            w.mul_(1 + 1e-7 * torch.randn(w.shape, generator=g).to(w))
+    return model
+
+
+def apart(eager: torch.nn.Module | None, other: torch.nn.Module, start: torch.Tensor) -> float:
+    if eager is None:
+        return float("nan")
+    w = flat_weights(eager)
+    return ((flat_weights(other) - w).norm() / (w - start).norm()).item()
 
 
 def bench(args: argparse.Namespace, batch: int, device: torch.device, peak: float) -> None:
@@ -89,6 +105,8 @@ def bench(args: argparse.Namespace, batch: int, device: torch.device, peak: floa
     data = batches(batch, args.imgsz, 6, device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     steps, stats, models = {}, {}, {}
+    start = flat_weights(base)
+    floor_step, floor_model = make_step(perturbed(base), "off", data)  # eager from one ulp away: the floor
     for mode in args.modes:
         watch = CompileWatch(mode, "default")
         watch.start()
@@ -100,6 +118,8 @@ def bench(args: argparse.Namespace, batch: int, device: torch.device, peak: floa
             steps[mode](i)
         sync()
         stats[mode] = watch.report()
+    for i in range(len(data)):
+        floor_step(i)
     times: dict[str, list[float]] = {mode: [] for mode in args.modes}
     for r in range(args.rounds):
         for mode in args.modes:
@@ -108,9 +128,11 @@ def bench(args: argparse.Namespace, batch: int, device: torch.device, peak: floa
                 steps[mode](r * args.steps + i)
             sync()
             times[mode].append((time.perf_counter() - t0) / args.steps)
+        for i in range(args.steps):  # untimed: the floor trains the same batches
+            floor_step(r * args.steps + i)
     print(f"\n{args.model} {args.imgsz} px, batch {batch}, {device.type}: {gflops:.3f} training GFLOPs per image")
     print(f"  {'mode':<6} {'first step s':>12} {'graphs':>6} {'breaks':>6} {'img/s (range)':>24} "
-          f"{'x eager (range)':>20} {'MFU':>6} {'weights vs eager':>17}")
+          f"{'x eager (range)':>20} {'MFU':>6} {'apart from eager':>17}")
     eager = times.get("off")
     for mode in args.modes:
         ips = [batch / t for t in times[mode]]
@@ -121,12 +143,15 @@ def bench(args: argparse.Namespace, batch: int, device: torch.device, peak: floa
             per_round = [e / t for e, t in zip(eager, times[mode], strict=True)]
             ratio = f"{statistics.median(per_round):.3f} ({min(per_round):.3f}-{max(per_round):.3f})"
         img_s = statistics.median(ips)
-        drift = weight_drift(models["off"], models[mode]) if "off" in models else float("nan")
+        drift = apart(models.get("off"), models[mode], start)
         print(f"  {mode:<6} {first if first is not None else float('nan'):12.1f} {s.get('graphs', 0):6d} "
               f"{s.get('graph_breaks', 0):6d} {f'{img_s:.1f} ({min(ips):.1f}-{max(ips):.1f})':>24} {ratio:>20} "
               f"{100 * img_s * gflops / peak:5.1f}% {drift:17.2e}")
-    print(f"  weights vs eager: after the same {1 + 7 + args.rounds * args.steps} steps on the same batches, the "
-          "largest |w - w_eager| / max |w_eager| over the tensors (float32 rounding grows through AdamW's steps)")
+    print(f"  {'floor':<6} {'':12} {'':6} {'':6} {'':>24} {'':>20} {'':>6} "
+          f"{apart(models.get('off'), floor_model, start):17.2e}")
+    print(f"  apart from eager: after the same {len(data) + args.rounds * args.steps} steps on the same batches, "
+          "|w - w_eager| / |w_eager - w_start| over all weights; floor: the same for an eager run from weights one "
+          "float32 ulp away (rounding alone)")
 
 
 def main() -> None:
