@@ -52,6 +52,7 @@ def test_collate_pads_to_buckets_and_flattens_back() -> None:
     _imgs, flat, _ = collate(items)
     _imgs, padded, _ = collate(items, bucket=4)
     assert padded.shape == (3, 8, 5)  # the fullest image has 5 objects: bucket 4 doubled once
+    assert torch.equal(collate(items, bucket=0)[1], padded[:, :5])  # 0: padded to the fullest image
     assert (padded[..., 0] >= 0).sum(1).tolist() == [2, 0, 5]
     assert (padded[1, :, 0] == -1).all() and (padded[0, 2:, 0] == -1).all()
     assert torch.equal(flat_targets(padded), flat)

@@ -62,7 +62,7 @@ def test_tiny_kit_runs_every_section_and_writes_its_json(tmp_path: Path) -> None
         assert 0 <= r["data_wait_share"] < 1 and r["rounds"] == 1
 
     compiled = sections["compile"]
-    assert compiled["backend"] == "aot_eager" and (compiled["model"], compiled["batch"]) == ("gelan-t", 8)
+    assert compiled["backend"] == "eager" and (compiled["model"], compiled["batch"]) == ("gelan-t", 8)
     assert [r["mode"] for r in compiled["rows"]] == ["off", "step"]
     for r in compiled["rows"]:
         assert r["steady_images_per_s"] > 0 and r["loss_finite"] and r["rounds"] == 1

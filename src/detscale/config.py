@@ -197,7 +197,7 @@ class TrainConfig:
     step_breakdown: bool = True
     compile: str = "off"
     compile_mode: str = "default"
-    target_bucket: int = 16
+    target_bucket: int = 0
     val_interval: int = 0
     box_gain: float = 7.5
     cls_gain: float = 0.5

@@ -252,5 +252,7 @@ class DetectionLoss:
         weighted by proximity (so the expectation of the ideal distribution equals the target)."""
         left = target.long()
         w_left = left + 1 - target
-        return (F.cross_entropy(logits, left, reduction="none") * w_left
-                + F.cross_entropy(logits, left + 1, reduction="none") * (1 - w_left))
+        # one log-softmax for both bins (two cross_entropy calls would compute it twice)
+        logp = F.log_softmax(logits, -1)
+        pair = logp.gather(-1, torch.stack((left, left + 1), -1))
+        return -(pair[:, 0] * w_left + pair[:, 1] * (1 - w_left))

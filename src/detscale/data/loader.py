@@ -35,7 +35,9 @@ from detscale.data.dataset import SampleKey
 
 def bucket_size(objects: int, smallest: int) -> int:
     """The padded object count of a batch whose fullest image has ``objects``: ``smallest``,
-    doubled until it holds them (16, 32, 64, ... for ``smallest`` 16)."""
+    doubled until it holds them (16, 32, 64, ... for ``smallest`` 16); ``objects`` itself for 0."""
+    if smallest <= 0:
+        return objects
     m = smallest
     while m < objects:
         m *= 2
@@ -43,20 +45,22 @@ def bucket_size(objects: int, smallest: int) -> int:
 
 
 def collate(
-    batch: Sequence[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]], bucket: int = 0,
+    batch: Sequence[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]], bucket: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, Any]]]:
     """``(imgs uint8 [B, 3, H, W], targets, metas)``.
 
-    ``bucket = 0``: targets flat, float32 [N, 6] (batch_idx, cls, cx, cy, w, h). ``bucket > 0``:
-    padded on the CPU to float32 [B, M, 5] (cls, cx, cy, w, h; ``cls = -1`` in the padding) with M
-    = :func:`bucket_size` of the fullest image, so that the training step sees a handful of shapes
-    over a whole run (one per bucket), never one per batch, and never reads M from the device.
+    ``bucket = None``: targets flat, float32 [N, 6] (batch_idx, cls, cx, cy, w, h). Otherwise padded
+    on the CPU to float32 [B, M, 5] (cls, cx, cy, w, h; ``cls = -1`` in the padding), M =
+    :func:`bucket_size` of the fullest image: with ``bucket > 0`` the training step sees a handful of
+    shapes over a whole run (one per bucket, what a compiled step needs); with 0, M is the fullest
+    image's count (a shape per batch, and the least padding for an eager step). Either way the loss
+    never reads M from the device.
     """
     # numpy's single-threaded copy: torch.stack would wake torch's intra-op thread pool, which
     # costs more than the copy itself when the loader runs in a busy main process (workers=0).
     imgs = torch.from_numpy(np.stack([item[0].numpy() for item in batch]))
     metas = [item[2] for item in batch]
-    if bucket > 0:
+    if bucket is not None:
         m = bucket_size(max((len(labels) for _, labels, _ in batch), default=0), bucket)
         padded = np.zeros((len(batch), m, 5), dtype=np.float32)
         padded[..., 0] = -1.0
@@ -167,7 +171,7 @@ def build_train_loader(
     workers: int,
     pin_memory: bool = True,
     accumulate: int = 1,
-    target_bucket: int = 0,
+    target_bucket: int | None = None,
 ) -> DataLoader:
     """Shuffled, distributed, augmented batches of ``batch_size`` for this rank (:class:`TrainSampler`).
 

@@ -81,6 +81,14 @@ def build_parts(point: RunPoint, nc: int, sem: TrainSemantics, tcfg: TrainConfig
     return Parts(model, raw, ema, optimizer, scheduler, scaler, loss_fn, amp_dtype, buffers, comm_probe, step)
 
 
+def target_bucket(tcfg: TrainConfig) -> int:
+    """``train.target_bucket``, with 0 resolved: buckets of 16 for a compiled step (a few graphs per
+    run), the batch's own fullest image for an eager one (the least padding: no cost to pay for shapes)."""
+    if tcfg.target_bucket > 0:
+        return tcfg.target_bucket
+    return 16 if tcfg.compile != "off" else 0
+
+
 def build_loaders(point: RunPoint, cfg: ExperimentConfig, data_yaml: Path, cache_dir: Path | None,
                   sem: TrainSemantics, info: dist.DistInfo, with_val: bool) -> tuple[Any, Any | None]:
     from detscale.data.dataset import build_dataset
@@ -92,7 +100,7 @@ def build_loaders(point: RunPoint, cfg: ExperimentConfig, data_yaml: Path, cache
                         f"step ({sem.global_batch} x {sem.accumulate} accumulated = {sem.images_per_optimizer_step}); "
                         "use a smaller batch or nominal_batch, or more images")
     train = build_train_loader(train_ds, sem.batch_per_rank, info.rank, info.world_size, sem.seed,
-                               cfg.train.workers, accumulate=sem.accumulate, target_bucket=cfg.train.target_bucket)
+                               cfg.train.workers, accumulate=sem.accumulate, target_bucket=target_bucket(cfg.train))
     left_out = len(train_ds) - len(train) * sem.global_batch
     if left_out > 0.1 * len(train_ds):
         log.warning("each epoch trains %d of the %d training images (whole optimiser steps of %d images; the "
