@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -134,7 +135,8 @@ train:
 
 
 @pytest.mark.slow
-def test_compiled_step_trains_like_the_eager_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiled_step_trains_like_the_eager_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
     """16 images, batch 4, 2 epochs: 8 optimiser steps (AdamW), mosaic on, through ``detscale train``.
 
     The compiler runs with the ``aot_eager`` backend: dynamo's graph and AOTAutograd's joint
@@ -146,6 +148,7 @@ def test_compiled_step_trains_like_the_eager_step(tmp_path: Path, monkeypatch: p
 
     real = build.forward_loss
     monkeypatch.setattr(build, "forward_loss", lambda *args, **kw: real(*args, **kw, backend="aot_eager"))
+    caplog.set_level(logging.INFO)
     data_yaml = tiny_dataset(tmp_path / "data", train=16, val=2)
     run = "gelan-t-detect_64_g1_b4_none_fp32_s0_r0"
     out = {}
@@ -179,3 +182,4 @@ def test_compiled_step_trains_like_the_eager_step(tmp_path: Path, monkeypatch: p
     assert sum(stats["target_buckets"].values()) == 8
     eager_timing = json.loads((out["off"] / "timing.json").read_text())
     assert eager_timing["compile_per_rank"][0]["compile"] == "off"
+    assert "compiled (step)" in caplog.text and "0 graph break(s)" in caplog.text  # the run's closing summary

@@ -166,6 +166,12 @@ def summary_text(point: RunPoint, sem: TrainSemantics, report: dict[str, Any], b
         f"  train {report['train_seconds']:.1f} s, validation {report['val_seconds']:.1f} s, "
         f"peak memory {mem:.0f} MiB/rank ({report['mem_kind']})",
     ]
+    compiled = (report.get("compile_per_rank") or [{}])[0]
+    if compiled.get("compile", "off") != "off":
+        first = compiled.get("first_step_seconds")
+        lines.append(f"  compiled ({compiled['compile']}): {compiled['graphs']} graph(s), {compiled['graph_breaks']} "
+                     f"graph break(s), {compiled['recompiles_after_first_step']} recompilation(s) after the first "
+                     f"step" + (f", which took {first:.1f} s" if first is not None else ""))
     if best_map is not None:
         lines.append(f"  best validation mAP@0.5:0.95 {best_map:.4f}")
     return "\n".join(lines)

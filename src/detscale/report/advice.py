@@ -14,7 +14,7 @@ did not make (the step breakdown, the loader's CPU time) stays silent rather tha
 - **Optimiser** above :data:`OPTIMIZER`: a larger ``train.nominal_batch`` (fewer steps per image);
   the fused kernels are already used where torch has them.
 - **Launch-bound** (CUDA): MFU below :data:`LAUNCH_MFU` and the host busy for most of the step:
-  the GPU waits for the CPU to launch kernels; knobs: a larger ``grid.batch``, a compiled step.
+  the GPU waits for the CPU to launch kernels; knobs: a larger ``grid.batch``, ``train.compile: step``.
 - **CPU contention**: the ranks of a node ask for more torch threads than it has cores, or use more
   CPUs than it has (measured: each rank's process time per step, its workers' per image); knobs:
   fewer ``train.cpu_threads_per_rank`` or ``train.workers``, fewer ranks per node.
@@ -116,7 +116,7 @@ def launch_bound(row: Mapping[str, Any]) -> str | None:
         return None
     return (f"MFU {mfu:.1%} while the host is busy for {host:.0%} of each step: the GPU waits for the CPU to launch "
             f"kernels. A larger grid.batch (now {_num(row, 'batch_per_gpu'):.0f} per GPU) gives each launch more "
-            "work; compiling the step (torch.compile, CUDA graphs) removes launches.")
+            "work; a compiled step (train.compile: step) fuses kernels and removes launches.")
 
 
 def contention(row: Mapping[str, Any]) -> str | None:
