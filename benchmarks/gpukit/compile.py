@@ -13,6 +13,7 @@ from typing import Any
 
 from detscale.engine.build import build_loaders, build_parts
 from detscale.engine.compiled import CompileWatch, forward_loss
+from detscale.engine.loop import FirstStep
 from detscale.engine.mfu import measure_peak, train_gflops_per_image
 from detscale.engine.semantics import derive_semantics
 from gpukit.kit import Kit, Sizes, experiment, one_card
@@ -35,14 +36,15 @@ def section_compile(kit: Kit, sizes: Sizes) -> dict[str, Any]:
         cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, compile=mode))
         point = cfg.runs()[0]
         sem = derive_semantics(cfg, point, 1, dev.type)
-        watch = CompileWatch(mode, cfg.train.compile_mode)
-        watch.start()
         parts = build_parts(point, nc, sem, cfg.train, info)
         if sizes.compile_backend != "inductor":
             parts.forward_loss = forward_loss(parts.model, parts.loss_fn, mode, backend=sizes.compile_backend)
         loader, _ = build_loaders(point, cfg, paths.data_yaml, paths.cache_dir, sem, info, with_val=False)
-        first = bare_epoch(parts, loader, 0, sem, cfg.train, dev, sizes.tp_warmup_steps, sizes.tp_warmup_steps + 5)
-        watch.first_step_done()
+        # the watch's first step is the first batch (its compilation), as in detscale train
+        watch = CompileWatch(mode, cfg.train.compile_mode)
+        watch.start()
+        first = bare_epoch(parts, loader, 0, sem, cfg.train, dev, sizes.tp_warmup_steps, sizes.tp_warmup_steps + 5,
+                           extra=(FirstStep(watch.first_step_done),))
         runs[mode] = {"parts": parts, "loader": loader, "sem": sem, "cfg": cfg, "first_epoch_s": first["epoch_s"],
                       "watch": watch, "epochs": [], "finite": first["loss_finite"]}
     live = [m for m in modes if "parts" in runs[m]]

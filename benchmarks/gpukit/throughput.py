@@ -12,7 +12,7 @@ import torch
 
 from detscale.config import TrainConfig
 from detscale.engine.build import build_loaders, build_parts
-from detscale.engine.loop import Hook, LoopState, standard_hooks, train_one_epoch
+from detscale.engine.loop import Hook, Hooks, LoopState, standard_hooks, train_one_epoch
 from detscale.engine.semantics import TrainSemantics, derive_semantics
 from detscale.engine.state import Parts, Progress
 from detscale.engine.stopflag import StopFlag
@@ -50,11 +50,13 @@ class SteadyWindow(Hook):
 
 
 def bare_epoch(parts: Parts, loader: Any, epoch: int, sem: TrainSemantics, tcfg: TrainConfig, dev: torch.device,
-               warmup_steps: int, max_steps: int | None = None) -> dict:
+               warmup_steps: int, max_steps: int | None = None, extra: tuple[Hook, ...] = ()) -> dict:
     """The trainer's own loop (``train_one_epoch``) with none of its instruments attached: only
-    :class:`SteadyWindow`, which synchronises where the steady-state window starts and ends."""
+    :class:`SteadyWindow`, which synchronises where the steady-state window starts and ends (and
+    ``extra`` hooks, such as the compile watch's :class:`~detscale.engine.loop.FirstStep`)."""
     window = SteadyWindow(warmup_steps, max_steps)
-    result = train_one_epoch(LoopState(parts, loader, sem, tcfg, dev, Progress()), epoch, window)
+    result = train_one_epoch(LoopState(parts, loader, sem, tcfg, dev, Progress()), epoch,
+                             Hooks([window, *extra]) if extra else window)
     sync()
     end = time.perf_counter()
     return {"epoch_s": end - window.t_epoch,
