@@ -218,3 +218,33 @@ def test_the_contention_range_comes_from_the_probe_rounds():
     ranges = contention_range_by_ranks([probe, old])
     assert ranges == {2: (1.02, 1.3), 4: (1.2, 1.2)}
     assert contention_range_for(ranges, 1) == (1.0, 1.0) and contention_range_for(ranges, 3) == (1.02, 1.3)
+
+
+def test_inter_node_measured_fits_the_multinode_preflight(tmp_path: Path):
+    """``inter_node: measured``: the alpha-beta fit of a multi-node run's preflight.json sweep."""
+    from detscale.report.projection import fabric_from_preflight
+
+    # 2 nodes: bus factor 1, so t = 50 us + S / 2 GB/s exactly
+    sweep = [{"bytes": s, "seconds": 50e-6 + s / 2e9, "bus_gbps": s / (50e-6 + s / 2e9) / 1e9}
+             for s in (1 << 16, 1 << 20, 1 << 23)]
+    record = {"nodes": [{"host": "a", "interface": "ib0"}, {"host": "b", "interface": "ib0"}], "allreduce": sweep}
+    fabric = fabric_from_preflight(record)
+    assert fabric.latency_s == pytest.approx(50e-6) and fabric.busbw_Bps == pytest.approx(2e9)
+    assert "preflight of a, b over ib0" in fabric.source
+
+    cfg_path = write_config(tmp_path, [1, 2])
+    raw = json.loads(json.dumps(dsconfig.load(cfg_path).to_dict()))
+    raw["projection"] = {"inter_node": "measured"}
+    (tmp_path / "config.yaml").write_text(json.dumps(raw))
+    cfg = dsconfig.load(cfg_path)
+    one = write_run(tmp_path / "runs", cfg, "gelan-t_64_g1_b8_disk_fp32_s0_r0", ips=80.0, map50_95=0.4)
+    two = write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_s0_r0", ips=120.0, map50_95=0.4)
+    _with_breakdown(one, {"data_wait": 10, "forward": 30, "backward": 40, "comm": 0, "optimizer": 15, "other": 5},
+                    cpu_ms=90.0, loader_ms=2.0)
+    comm = tmp_path / "comm.json"
+    comm.write_text(json.dumps(comm_result()))
+    md = build_report([one, two], cfg_path, tmp_path / "report", [comm]).markdown.read_text()
+    assert "no run of these results went through a multi-node network preflight" in md
+    (two / "preflight.json").write_text(json.dumps(record))
+    files = build_report([one, two], cfg_path, tmp_path / "report2", [comm])
+    assert "measured (preflight, 2 nodes)" in files.html.read_text()

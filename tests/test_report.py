@@ -384,3 +384,24 @@ def test_published_reference_figures_are_listed_and_drawn_on_their_card(tmp_path
         (d / "env.json").write_text(json.dumps(dict(env, gpu_model="NVIDIA A100-SXM4-40GB")))
     files = build_report(dirs, config_path, tmp_path / "report2")
     assert "Drawn on the efficiency plot" in files.markdown.read_text()
+
+
+def test_an_elastic_run_keeps_its_accuracy_and_no_throughput_figure(tmp_path: Path):
+    """A 2-GPU run continued on 1 rank: its mAP is reported, its two throughputs only apart."""
+    config_path = write_config(tmp_path, [1, 2], val_interval=1)
+    cfg = dsconfig.load(config_path)
+    one = write_run(tmp_path / "runs", cfg, "gelan-t_64_g1_b8_disk_fp32_s0_r0", 100.0, 0.40, curve={1: 0.3, 2: 0.4})
+    two = write_run(tmp_path / "runs", cfg, "gelan-t_64_g2_b8_disk_fp32_s0_r0", 90.0, 0.41, curve={1: 0.3, 2: 0.41})
+    timing = json.loads((two / "timing.json").read_text())
+    segments = [{"world_size": 2, "images_per_s": 180.0}, {"world_size": 1, "images_per_s": 90.0}]
+    timing.update(world_size=1, images_per_s_per_rank=[90.0], elastic=True, segments=segments)
+    (two / "timing.json").write_text(json.dumps(timing))
+    files = build_report([one, two], config_path, tmp_path / "report")
+    rows = {r["run"]: r for r in csv.DictReader(files.csv.open())}
+    row = rows["gelan-t_64_g2_b8_disk_fp32_s0_r0"]
+    assert row["elastic"] == "2→1 ranks (180.0, 90.0 img/s)"
+    assert row["images_per_s"] == row["speedup"] == row["time_to_target_s"] == ""  # nan: not measured as such
+    assert float(row["map50_95"]) == pytest.approx(0.41) and float(row["delta_map50_95_vs_1gpu"]) == pytest.approx(0.01)
+    assert float(rows["gelan-t_64_g1_b8_disk_fp32_s0_r0"]["speedup"]) == pytest.approx(1.0)
+    text = files.markdown.read_text()
+    assert "changed its rank count on the way (elastic: 2→1 ranks (180.0, 90.0 img/s))" in text

@@ -132,10 +132,15 @@ def cluster() -> Iterator[None]:
 
 
 def _sbatch_wait(args: list[str], out: Path, timeout: float = 120) -> str:
-    """Submit with ``sbatch --wait`` and return the job's output; fails with it on a bad exit."""
-    proc = _run(["sbatch", "--wait", "--parsable", f"--output={out}", *args], timeout, cwd=ROOT)
+    """Submit, wait for the job and return its output; fails with it on a bad exit.
+
+    Polled every 0.5 s: ``sbatch --wait`` backs off to tens of seconds between its own polls.
+    """
+    proc = _run(["sbatch", "--parsable", f"--output={out}", *args], 60, cwd=ROOT)
+    assert proc.returncode == 0, f"sbatch {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}"
+    job = _job_state(proc.stdout.strip(), timeout)
     text = out.read_text() if out.exists() else ""
-    assert proc.returncode == 0, f"sbatch {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}\n{text}"
+    assert job["ExitCode"] == "0:0", f"sbatch {' '.join(args)}: {job['JobState']} {job['ExitCode']}\n{text}"
     return text
 
 
@@ -237,13 +242,37 @@ def test_multinode_launch_preempted_and_resumed(cluster: None, tmp_path: Path) -
     for node in ("dsnode1", "dsnode2"):
         assert f"StepId={first}.0" in (STATE / f"slurmd-{node}.log").read_text(), f"no step {first}.0 on {node}"
 
-    second = _run([*sbatch, "--wait", f"--output={tmp_path / 'second.out'}"], 300, cwd=ROOT)
-    text = (tmp_path / "second.out").read_text()
-    assert second.returncode == 0, text[-3000:]
+    text = _sbatch_wait(sbatch[2:], tmp_path / "second.out", 300)
     assert f"at epoch {ckpt['epoch'] + 1} step {ckpt['step']}" in text and "resuming from" in text, text[-3000:]
     timing = json.loads((out / "timing.json").read_text())
     env_json = json.loads((out / "env.json").read_text())
     assert timing["world_size"] == 2 and env_json["world_size"] == 2
+    # the network preflight ran before each start, one task per node (train.preflight_timeout_s)
+    preflight = json.loads((out / "preflight.json").read_text())
+    assert [n["host"] for n in preflight["nodes"]] == ["dsnode1", "dsnode2"] and preflight["passed"] is True
+    assert "preflight: 2 nodes met at" in text
+
+
+@pytest.mark.slurm
+def test_preflight_names_the_node_that_cannot_connect(cluster: None, tmp_path: Path) -> None:
+    """A 2-node job whose second node is pointed at a port nobody serves (``srun --multi-prog``: one
+    command per task), as a node behind a firewall that rejects the rendezvous port would be."""
+    from detscale.cluster.torchrun import pick_port
+
+    head, port = slurm.node_address("dsnode1"), pick_port(None)
+    common = f"{sys.executable} -m detscale.cluster.preflight --nodes=2 --hosts=dsnode1,dsnode2 --timeout=8"
+    (tmp_path / "tasks.conf").write_text(f"0 {common} --endpoint={head}:{port}\n1 {common} --endpoint={head}:9\n")
+    started = time.monotonic()
+    sbatch = ["sbatch", "--parsable", f"--output={tmp_path / 'job.out'}", "--nodes=2", "--ntasks=2",
+              "--cpus-per-task=1", "--wrap", f"srun --multi-prog {tmp_path / 'tasks.conf'}"]
+    jid = _run(sbatch, 60, cwd=ROOT).stdout.strip()
+    job = _job_state(jid, 120)  # polled every 0.5 s (sbatch --wait backs off to tens of seconds)
+    text = (tmp_path / "job.out").read_text()
+    assert job["JobState"] == "FAILED", text
+    assert time.monotonic() - started < 60, text
+    assert "node dsnode2 (node rank 1, interface" in text and "connection refused" in text, text
+    assert "did not join the rendezvous" in text and "dsnode2 (node rank 1)" in text, text
+    assert "Traceback" not in text and "frame #" not in text, text  # one line per node, no stack dumps
 
 
 TINY = {
@@ -273,9 +302,9 @@ def _test_profile(path: Path) -> Path:
     profile["set-resources"]["comm"].update(cpus_per_gpu=1, mem_mb=2000)
     profile["set-resources"]["evaluate"]["mem_mb"] = 2000
     profile["slurm-status-command"] = "squeue"  # no accounting database: sacct cannot answer
-    # The plugin polls after this many seconds, then 10 s later each time nothing finished: 8 s
-    # catches the short jobs of the tiny grid on their first or second poll.
-    profile["slurm-init-seconds-before-status-checks"] = 8
+    # The plugin polls after this many seconds, then 10 s later each time nothing finished. Measured
+    # on the two pipeline tests (idle 2-core host): 8 s 173 s, 3 s 165 s, 5 s 158 s.
+    profile["slurm-init-seconds-before-status-checks"] = 5
     profile["latency-wait"] = 5
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))

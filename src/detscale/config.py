@@ -204,6 +204,8 @@ class TrainConfig:
     dfl_gain: float = 1.5
     timeout_s: int = 1800
     max_restarts: int = 1
+    preflight_timeout_s: float = 60.0
+    preflight_min_gbps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -392,8 +394,9 @@ def _semantic_checks(cfg: ExperimentConfig, base: Path) -> None:
     if pr.intra_node != "measured" and pr.intra_node not in pr.fabrics:
         problems.append(f"'projection.intra_node': got {pr.intra_node!r}; use 'measured' or one of projection.fabrics: "
                         f"{names}")
-    if pr.inter_node not in pr.fabrics:
-        problems.append(f"'projection.inter_node': got {pr.inter_node!r}; use one of projection.fabrics: {names}")
+    if pr.inter_node != "measured" and pr.inter_node not in pr.fabrics:
+        problems.append(f"'projection.inter_node': got {pr.inter_node!r}; use 'measured' or one of projection.fabrics: "
+                        f"{names}")
     if problems:
         raise ConfigError(f"invalid configuration in {cfg.source}:\n" + "\n".join(f"  - {p}" for p in problems))
 

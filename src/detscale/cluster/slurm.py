@@ -265,6 +265,20 @@ def multinode_command(
     ]
 
 
+def preflight_step(nodes: int, out: str | os.PathLike[str], timeout_s: float, min_gbps: float, port: int, *,
+                   env: Mapping[str, str] | None = None, python: str | None = None,
+                   resolve: Callable[[str], str] | None = None) -> list[str]:
+    """The ``srun`` step of the network preflight on the job's first ``nodes`` nodes, meeting on the first."""
+    from detscale.cluster.preflight import preflight_command
+
+    env = os.environ if env is None else env
+    hosts = job_nodes(env)[:nodes]
+    if len(hosts) < nodes:
+        raise SlurmError(f"--nodes {nodes} asked for, but Slurm job {job_id(env)} holds {len(hosts)} node(s)")
+    head = (resolve or node_address)(hosts[0])
+    return preflight_command(nodes, f"{head}:{port}", out, hosts, timeout_s, min_gbps, python=python)
+
+
 # ---------------------------------------------------------------------------------------------
 # One node's agent
 # ---------------------------------------------------------------------------------------------

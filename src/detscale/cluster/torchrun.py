@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from detscale.cluster.signals import caught_signals, exit_status
-from detscale.cluster.slurm import multinode_command
-from detscale.errors import UserError
+from detscale.cluster.slurm import multinode_command, preflight_step
+from detscale.errors import EXIT_PREEMPTED, UserError
 from detscale.files import RESUME_FILES, STASH_ENV, restore_resume_files, stash_resume_files
 
 log = logging.getLogger(__name__)
@@ -248,6 +248,8 @@ class LaunchRequest:
     train_argv: tuple[str, ...]
     #: ``(run folder, stash folder, config digest)`` for ``--resume-stash``; None without it.
     stash: tuple[Path, Path, str] | None = None
+    #: Multi-node runs: ``(preflight.json path, timeout s, floor GB/s)`` of the network preflight.
+    preflight: tuple[Path, float, float] | None = None
 
 
 def launch(req: LaunchRequest) -> int:
@@ -278,6 +280,18 @@ def launch(req: LaunchRequest) -> int:
     return code
 
 
+def check_network(nodes: int, out: Path, timeout_s: float, min_gbps: float, env: dict[str, str]) -> int:
+    """The network preflight (:mod:`detscale.cluster.preflight`) as one ``srun`` step: 0 when the nodes
+    can train together, :data:`EXIT_PREEMPTED` after a SIGTERM, else a clear error."""
+    code = run_child(preflight_step(nodes, out, timeout_s, min_gbps, pick_port(None)), env)
+    if code not in (0, EXIT_PREEMPTED):
+        raise LaunchError(
+            f"the network preflight of the {nodes} nodes failed (status {code}); the line(s) 'detscale preflight "
+            "failed: ...' above name the node, its interface and what went wrong. Training was not started; fix "
+            "the network (or raise train.preflight_timeout_s / lower train.preflight_min_gbps) and run again")
+    return code
+
+
 def run_ranks(req: LaunchRequest) -> int:
     """Claim devices and a port, run torchrun, hold the locks until it ends; returns its exit code."""
     env = dict(os.environ)
@@ -285,6 +299,8 @@ def run_ranks(req: LaunchRequest) -> int:
         # The nodes of one allocation are alike: without CUDA on this (the first) node, every
         # node runs CPU ranks, which get --threads each as on one node.
         threads = req.threads if cuda_device_count() == 0 else None
+        if req.preflight is not None and check_network(req.nodes, *req.preflight, env) == EXIT_PREEMPTED:
+            return EXIT_PREEMPTED  # a SIGTERM during the preflight: nothing trained, nothing lost
         port = pick_port(req.port)
         cmd = multinode_command(nodes=req.nodes, gpus_per_node=req.gpus // req.nodes, train_argv=list(req.train_argv),
                                 max_restarts=req.max_restarts, port=port, entry=TORCHRUN_ENTRY, threads=threads)

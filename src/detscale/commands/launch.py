@@ -74,12 +74,17 @@ def run(args: argparse.Namespace) -> int:
         point = None
     else:
         train_args = _parse(train_cmd, argv)
-        cfg, point = check_run_request(train_args.config, train_args.run, world_size=args.gpus)
+        cfg, point = check_run_request(train_args.config, train_args.run, world_size=args.gpus,
+                                       elastic=train_args.elastic)
     threads = args.threads if args.threads is not None else cfg.train.cpu_threads_per_rank
     restarts = args.max_restarts if args.max_restarts is not None else cfg.train.max_restarts
     if threads < 1 or restarts < 0:
         raise LaunchError("--threads must be >= 1 and --max-restarts >= 0")
     # The digest the trainer checks a checkpoint against: a stash of another config is never restored.
     stash = (Path(train_args.out), Path(args.resume_stash), config_digest(cfg, point)) if args.resume_stash else None
+    preflight = None
+    if args.nodes > 1 and point is not None and cfg.train.preflight_timeout_s > 0:
+        preflight = (Path(train_args.out) / "preflight.json", cfg.train.preflight_timeout_s,
+                     cfg.train.preflight_min_gbps)
     return launch(LaunchRequest(args.gpus, args.nodes, threads, restarts, args.port, args.standalone,
-                                args.lock_timeout, tuple(argv), stash))
+                                args.lock_timeout, tuple(argv), stash, preflight))

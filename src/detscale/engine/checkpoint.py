@@ -109,22 +109,60 @@ def checkpoint_dict(parts: Parts, progress: Progress, point: RunPoint, nc: int, 
     }
 
 
-def restore(parts: Parts, ckpt: dict[str, Any], rank: int, timing: RankTiming) -> Progress:
-    """Load a checkpoint into this rank's parts and RNG; returns where to continue."""
+def restore(parts: Parts, ckpt: dict[str, Any], rank: int, timing: RankTiming, sem: TrainSemantics) -> Progress:
+    """Load a checkpoint into this rank's parts and RNG; returns where to continue.
+
+    A checkpoint of another rank count (an elastic continuation, :func:`continue_on`) continues at
+    the same image of the same epoch; the RNG states are derived afresh for each new rank (the data
+    order and augmentation do not draw from them), and the finished segment's timings are kept
+    apart in ``progress.segments``: a new segment's throughput starts from zero.
+    """
     parts.raw.load_state_dict(ckpt["model"])
     parts.ema.load_state_dict(ckpt["ema"], ckpt["ema_updates"])
     parts.optimizer.load_state_dict(ckpt["optimizer"])
     parts.scaler.load_state_dict(ckpt["scaler"])
     parts.scheduler.load_state_dict(ckpt["scheduler"])
+    progress = Progress(**ckpt["progress"])
+    if ckpt["world_size"] != sem.world_size:
+        return _continue_elsewhere(ckpt, progress, rank, sem)
     restore_rng(ckpt["rng"][rank])
     saved = RankTiming.from_state(ckpt["timing"][rank])
     for name, value in asdict(saved).items():
         setattr(timing, name, value)
-    return Progress(**ckpt["progress"])
+    return progress
 
 
-def find_resume_checkpoint(paths: RunPaths, resume: bool, digest: str, world_size: int) -> dict[str, Any] | None:
-    """``last.pt`` to continue from, when resuming (asked, or a torchrun restart) and it exists."""
+def _continue_elsewhere(ckpt: dict[str, Any], progress: Progress, rank: int, sem: TrainSemantics) -> Progress:
+    from detscale.engine.build import seed_everything
+    from detscale.engine.timing import segment_summary
+
+    before = ckpt["semantics"]
+    images = progress.step * before["global_batch"]  # trained in the current epoch
+    if images % sem.global_batch:
+        raise CheckpointError(
+            f"the checkpoint stopped {progress.step} batches of {before['global_batch']} images into epoch "
+            f"{progress.epoch + 1} ({images} images), which is not a whole number of batches of "
+            f"{sem.global_batch} on {sem.world_size} ranks; resume it on {before['world_size']} ranks to the end "
+            "of the epoch first, then continue elsewhere")
+    step = images // sem.global_batch
+    if progress.step:  # this rank's share of the epoch's loss so far: rank 0's, per batch (an estimate)
+        progress.loss_sum = [v * step / progress.step for v in progress.loss_sum]
+    progress.segments = [*progress.segments, segment_summary(ckpt["timing"], before, progress.segment_start,
+                                                             [progress.epoch, progress.step])]
+    progress.step, progress.segment_start = step, [progress.epoch, step]
+    seed_everything(int(np.random.SeedSequence([sem.seed, rank, progress.epoch, step, 0xE1A5]).generate_state(1)[0]))
+    log.info("continuing a run of %d rank(s) on %d: batch %d/rank, global %d, accumulate %d (%d images per "
+             "optimiser step, as before)", before["world_size"], sem.world_size, sem.batch_per_rank,
+             sem.global_batch, sem.accumulate, sem.images_per_optimizer_step)
+    return progress
+
+
+def find_resume_checkpoint(paths: RunPaths, resume: bool, digest: str, world_size: int,
+                           elastic: bool = False) -> dict[str, Any] | None:
+    """``last.pt`` to continue from, when resuming (asked, or a torchrun restart) and it exists.
+
+    ``elastic``: a checkpoint of another rank count may continue on ``world_size`` ranks.
+    """
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     if not (resume or restart) or not paths.last.is_file():
         if resume and not paths.last.is_file():
@@ -136,8 +174,11 @@ def find_resume_checkpoint(paths: RunPaths, resume: bool, digest: str, world_siz
             f"{paths.last} was written for another configuration (digest {ckpt.get('config_digest')}, now "
             f"{digest}); delete {paths.out} to start this run again, or restore the original config"
         )
-    if ckpt.get("world_size") != world_size:
-        raise CheckpointError(f"{paths.last} was written by {ckpt.get('world_size')} ranks, not {world_size}")
+    if ckpt.get("world_size") != world_size and not elastic:
+        raise CheckpointError(
+            f"{paths.last} was written by {ckpt.get('world_size')} ranks, not {world_size}; to continue it on "
+            f"{world_size} rank(s) add --elastic to `train` (the images per optimiser step, the schedule and the "
+            "data order stay; the throughput of each rank count is reported apart)")
     # 1-based, as the "stopped by a signal at epoch E step S" warning that precedes a resume prints it.
     log.info("resuming from %s at epoch %d step %d%s", paths.last, ckpt["epoch"] + 1, ckpt["step"],
              " (torchrun restart)" if restart else "")

@@ -320,7 +320,11 @@ def train_one_epoch(loop: LoopState, epoch: int, hooks: Hook | None = None) -> E
     set_epoch(loop.loader, epoch, mosaic=epoch < sem.epochs - sem.close_mosaic)
     parts.model.train()
     nb = len(loop.loader)
-    warmup_iters = warmup_iterations(tcfg.warmup_epochs, nb, sem.epochs)
+    # The warm-up counts BatchNorm batches (one rank's batch; with SyncBN the global batch): the
+    # learning rate of every optimiser step is then that of one rank accumulating N batches, so
+    # N ranks and 1 rank warm up alike and a run can change its rank count on the way.
+    units = sem.batchnorm_batches
+    warmup_iters = warmup_iterations(tcfg.warmup_epochs, nb * units, sem.epochs)
     factor = lr_factor(sem.lr_schedule, sem.epochs, tcfg.lrf)(epoch)
     batches = iter(loop.loader)
     for _ in range(progress.step):  # mid-epoch resume: the same batches, already trained on
@@ -337,13 +341,14 @@ def train_one_epoch(loop: LoopState, epoch: int, hooks: Hook | None = None) -> E
         hook.data_end()
         if targets.dim() == 3:  # padded to a bucket: one compiled graph per bucket
             loop.target_buckets[targets.shape[1]] = loop.target_buckets.get(targets.shape[1], 0) + 1
-        iteration = epoch * nb + i
+        first = (epoch * nb + i) * units  # this batch holds BatchNorm batches first .. first + units - 1
         accumulate = sem.accumulate
-        if iteration < warmup_iters:
+        if first < warmup_iters:
+            iteration = min(first + units - 1, warmup_iters - 1)
             apply_warmup(parts.optimizer, iteration, warmup_iters, factor, tcfg.warmup_bias_lr,
                          tcfg.warmup_momentum, tcfg.momentum)
-            if sem.warmup_accumulate == "ramp":
-                accumulate = warmup_accumulate(iteration, warmup_iters, sem.accumulate)
+            if sem.warmup_accumulate == "ramp":  # in whole batches of the ranks present
+                accumulate = max(1, round(warmup_accumulate(iteration, warmup_iters, sem.accumulate * units) / units))
         boundary = i - last_step >= accumulate or i == nb - 1
         # Between optimiser steps the gradient all-reduce is skipped: DDP reduces the sum once.
         sync = contextlib.nullcontext() if boundary or sem.world_size == 1 else parts.model.no_sync()

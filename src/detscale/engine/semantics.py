@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,11 @@ class TrainSemantics:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def batchnorm_batches(self) -> int:
+        """BatchNorm batches in one global batch: one per rank, or one in all with SyncBN."""
+        return 1 if self.sync_bn else self.world_size
+
 
 def lr_scale_factor(mode: str, images_per_step: int, nominal: int) -> float:
     """Learning-rate multiplier for ``images_per_step`` images per optimiser step vs the nominal batch."""
@@ -66,11 +71,19 @@ def accumulate_steps(nominal_batch: int, global_batch: int) -> int:
     return max(round(nominal_batch / global_batch), 1)
 
 
-def derive_semantics(cfg: ExperimentConfig, point: RunPoint, world_size: int, device_type: str) -> TrainSemantics:
-    """The run's training semantics on ``world_size`` ranks of ``device_type`` (``cuda`` or ``cpu``)."""
+def derive_semantics(cfg: ExperimentConfig, point: RunPoint, world_size: int, device_type: str,
+                     elastic: bool = False) -> TrainSemantics:
+    """The run's training semantics on ``world_size`` ranks of ``device_type`` (``cuda`` or ``cpu``).
+
+    ``elastic``: the run continues on ``world_size`` ranks although its grid point asks for
+    ``point.gpus`` (:func:`continue_on`): the semantics of ``point.gpus`` ranks, carried over.
+    """
     from detscale.engine.compiled import check_compile
 
     t = cfg.train
+    if elastic and world_size != point.gpus:
+        check_compile(t.compile, t.compile_mode, t.sync_bn, world_size)
+        return continue_on(derive_semantics(cfg, point, point.gpus, device_type), world_size, point.run_id)
     check_world_size(point, world_size)
     check_compile(t.compile, t.compile_mode, t.sync_bn, world_size)
     global_batch = point.global_batch
@@ -110,12 +123,55 @@ def derive_semantics(cfg: ExperimentConfig, point: RunPoint, world_size: int, de
     )
 
 
+class ElasticError(ConfigError):
+    """A run that cannot continue on the rank count it was started with."""
+
+
+def continue_on(sem: TrainSemantics, world_size: int, run_id: str = "run") -> TrainSemantics:
+    """The semantics of a run written by ``sem.world_size`` ranks, continued on ``world_size`` ranks.
+
+    What stays: the images per optimiser step (so the optimiser steps, learning rates, weight decay
+    and schedule), the data order (the sampler cuts one permutation into the same optimiser steps)
+    and what each BatchNorm normalises over. Without SyncBN that is one rank's batch: the batch per
+    rank is kept and the accumulation recomputed (N ranks x batch b train as 1 rank accumulating N
+    batches of b). With SyncBN it is the global batch: the global batch is kept and split over the
+    new ranks. A rank count that cannot keep them is refused with the numbers.
+    """
+    if world_size < 1:
+        raise ElasticError(f"run {run_id}: cannot continue on {world_size} ranks")
+    per_step = sem.images_per_optimizer_step
+    if sem.sync_bn:
+        if sem.global_batch % world_size:
+            options = [m for m in range(1, sem.global_batch + 1) if sem.global_batch % m == 0]
+            raise ElasticError(
+                f"run {run_id}: SyncBN normalises over the global batch of {sem.global_batch} images, which does "
+                f"not split over {world_size} ranks; continue it on {_listed(options)} rank(s)")
+        batch, global_batch = sem.global_batch // world_size, sem.global_batch
+    else:
+        batch, global_batch = sem.batch_per_rank, sem.batch_per_rank * world_size
+        if per_step % global_batch:
+            options = [m for m in range(1, per_step // batch + 1) if per_step % (batch * m) == 0]
+            raise ElasticError(
+                f"run {run_id}: each optimiser step holds {per_step} images ({sem.batch_per_rank} per rank x "
+                f"{sem.world_size} ranks x {sem.accumulate} accumulated); on {world_size} ranks of "
+                f"{batch} images that is {per_step / global_batch:g} batches per rank, not a whole number. "
+                f"Continue it on {_listed(options)} rank(s) (the batch per rank stays {batch}: it is what each "
+                "BatchNorm normalises over)")
+    return replace(sem, world_size=world_size, batch_per_rank=batch, global_batch=global_batch,
+                   accumulate=per_step // global_batch)
+
+
+def _listed(values: list[int]) -> str:
+    return ", ".join(map(str, values[:-1])) + (" or " if len(values) > 1 else "") + str(values[-1])
+
+
 def check_world_size(point: RunPoint, world_size: int) -> None:
     """The ranks actually started must be the run's GPU count, and the global batch must divide."""
     if world_size != point.gpus:
         raise ConfigError(
             f"run {point.run_id} is a {point.gpus}-rank run but {world_size} rank(s) were started; "
-            f"launch it with --gpus {point.gpus} (the run id encodes the GPU count)"
+            f"launch it with --gpus {point.gpus} (the run id encodes the GPU count); to continue a run already "
+            f"trained on {point.gpus} on {world_size}, resume it with `train --resume --elastic`"
         )
     if point.scaling == "strong" and point.batch % world_size:
         raise ConfigError(
@@ -124,17 +180,26 @@ def check_world_size(point: RunPoint, world_size: int) -> None:
         )
 
 
-def check_run_request(config_path: str | Path, run_id: str, world_size: int) -> tuple[ExperimentConfig, RunPoint]:
-    """Load the config and find the run; every mistake a clear error before any rank starts."""
+def check_run_request(config_path: str | Path, run_id: str, world_size: int,
+                      elastic: bool = False) -> tuple[ExperimentConfig, RunPoint]:
+    """Load the config and find the run; every mistake a clear error before any rank starts.
+
+    ``elastic``: the run may continue on another rank count (checked against its semantics here;
+    the trainer checks that a checkpoint to continue from exists).
+    """
     cfg = config.load(config_path)
     point = cfg.run(run_id)
-    check_world_size(point, world_size)
+    if elastic and world_size != point.gpus:
+        derive_semantics(cfg, point, world_size, "cpu", elastic=True)
+    else:
+        check_world_size(point, world_size)
     return cfg, point
 
 
 #: Train settings that change how a run executes but not what it computes: changing them keeps resume.
 RUNTIME_ONLY = frozenset({"workers", "cpu_threads_per_rank", "timing_warmup_steps", "timeout_s", "max_restarts",
-                          "val_interval", "step_breakdown", "compile", "compile_mode", "target_bucket"})
+                          "val_interval", "step_breakdown", "compile", "compile_mode", "target_bucket",
+                          "preflight_timeout_s", "preflight_min_gbps"})
 
 
 def config_digest(cfg: ExperimentConfig, point: RunPoint) -> str:

@@ -77,6 +77,10 @@ class Progress:
     best_map: float | None = None
     epoch_seconds_done: float = 0.0  # of the current, unfinished epoch (mid-epoch resume)
     loss_sum: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    # An elastic run (continued on another rank count): the finished segments' timings, and the
+    # (epoch, batch) where the current rank count took over.
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    segment_start: list[int] = field(default_factory=lambda: [0, 0])
 
 
 @dataclass

@@ -290,3 +290,23 @@ def timing_report(
     report["loader_cpu_ms_per_image"] = sum(loader) / len(loader) if all(x is not None for x in loader) else None
     report.update(extra)
     return report
+
+
+def segment_summary(per_rank: list[dict[str, Any]], sem: dict[str, Any], start: list[int],
+                    end: list[int]) -> dict[str, Any]:
+    """One rank count's share of an elastic run: where it trained (epoch, batch of its own global
+    batch), with what batches, and its own throughput, never merged with another rank count's."""
+    ranks = [RankTiming.from_state(s) for s in per_rank]
+    return {
+        "world_size": len(ranks),
+        "batch_per_rank": sem["batch_per_rank"],
+        "global_batch": sem["global_batch"],
+        "accumulate": sem["accumulate"],
+        "start": {"epoch": start[0], "step": start[1]},
+        "end": {"epoch": end[0], "step": end[1]},
+        "images_per_s": sum(r.images_per_s for r in ranks),
+        "images_per_s_per_rank": [r.images_per_s for r in ranks],
+        "measured_steps": ranks[0].measured_steps,
+        "epoch_seconds": ranks[0].epoch_seconds,
+        "train_seconds": ranks[0].train_seconds,
+    }

@@ -50,14 +50,14 @@ from torch import nn
 from detscale import config, dist, layout
 from detscale.config import ExperimentConfig, RunPoint
 from detscale.engine.build import build_loaders, build_parts
-from detscale.engine.checkpoint import checkpoint_dict, find_resume_checkpoint, restore, save_last
+from detscale.engine.checkpoint import CheckpointError, checkpoint_dict, find_resume_checkpoint, restore, save_last
 from detscale.engine.compiled import CompileWatch
 from detscale.engine.loop import FirstStep, LoopState, standard_hooks, train_one_epoch
 from detscale.engine.mfu import measure_peak, mfu_fields, train_gflops_per_image
 from detscale.engine.semantics import TrainSemantics, config_digest, derive_semantics
 from detscale.engine.state import Progress, RunPaths, RunState
 from detscale.engine.stopflag import StopFlag
-from detscale.engine.timing import RankTiming, peak_memory, timing_report
+from detscale.engine.timing import RankTiming, peak_memory, segment_summary, timing_report
 from detscale.errors import EXIT_PREEMPTED
 from detscale.files import save_torch, write_json
 
@@ -78,6 +78,7 @@ class TrainRequest:
     resume: bool = False
     data_yaml: Path | None = None
     cache_dir: Path | None = None
+    elastic: bool = False  # continue last.pt on another rank count (engine.semantics.continue_on)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,8 +200,14 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
     from detscale.data.formats import load_spec
     from detscale.engine.envinfo import environment
 
-    sem = derive_semantics(cfg, point, info.world_size, info.device.type)
     digest = config_digest(cfg, point)
+    ckpt = find_resume_checkpoint(paths, req.resume, digest, info.world_size, req.elastic)
+    elastic = req.elastic and (info.world_size != point.gpus or (ckpt is not None and ckpt["world_size"] != point.gpus))
+    if elastic and ckpt is None:
+        raise CheckpointError(
+            f"--elastic continues a run on another rank count, but {paths.last} does not exist (add --resume, or "
+            f"start run {point.run_id} on the {point.gpus} rank(s) of its grid point)")
+    sem = derive_semantics(cfg, point, info.world_size, info.device.type, elastic=elastic)
     data_yaml = Path(req.data_yaml) if req.data_yaml else default_data_yaml(cfg)
     cache_dir = Path(req.cache_dir) if req.cache_dir else layout.cache_dir(cfg.dataset.name)
     spec = load_spec(data_yaml, splits=("val",) if cfg.train.val_interval > 0 else ())
@@ -212,8 +219,7 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
 
     parts = build_parts(point, spec.nc, sem, cfg.train, info)
     timing = RankTiming(warmup_steps=cfg.train.timing_warmup_steps)
-    ckpt = find_resume_checkpoint(paths, req.resume, digest, info.world_size)
-    progress = restore(parts, ckpt, info.rank, timing) if ckpt is not None else Progress()
+    progress = restore(parts, ckpt, info.rank, timing, sem) if ckpt is not None else Progress()
     del ckpt
     train_loader, val_loader = build_loaders(point, cfg, data_yaml, cache_dir, sem, info, cfg.train.val_interval > 0)
 
@@ -272,6 +278,10 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
         report = timing_report(timings, memory, info.device.type, info.backend, sem.batch_per_rank,
                                sem.global_batch, extra)
         report.update(mfu_fields(gflops, report["images_per_s"], peaks, sem.precision, env.get("gpu_model")))
+        if progress.segments:  # an elastic run: each rank count's throughput apart, this one's last
+            report["segments"] = [*progress.segments, segment_summary(
+                timings, sem.to_dict(), progress.segment_start, [progress.epoch, progress.step])]
+            report["elastic"] = True
         if report["measured_steps"] == 0:
             log.warning("no steady-state steps measured: every epoch has at most %d steps, all warm-up "
                         "(train.timing_warmup_steps); throughput is reported as 0", cfg.train.timing_warmup_steps)
@@ -308,6 +318,7 @@ def _epochs(run: RunState, watch: CompileWatch) -> tuple[bool, dict[int, int]]:
             "loss_box": result.losses[0], "loss_cls": result.losses[1], "loss_dfl": result.losses[2],
             "lr": lrs,
             "epoch_seconds": result.seconds,
+            "world_size": sem.world_size,
             "images_per_s": sem.global_batch * result.step / result.seconds if result.seconds > 0 else None,
             # whether mosaics were drawn this epoch (probability > 0, before close_mosaic)
             "mosaic": cfg.augment.mosaic > 0 and epoch < sem.epochs - sem.close_mosaic,

@@ -163,7 +163,9 @@ def add_time_to_target(rows: list[dict[str, Any]], curves: Mapping[str, Sequence
         base = base_of.get((r["group"], int(r["seed"])))
         target = fraction * float(base["map50_95"]) if base is not None else math.nan
         r["tta_target_map50_95"] = target
-        r["time_to_target_s"] = time_to_target(curves.get(r["run"], ()), target) if not math.isnan(target) else math.nan
+        # an elastic run's seconds add up epochs of several rank counts: no time of one rank count
+        timed = not math.isnan(target) and not r.get("elastic")
+        r["time_to_target_s"] = time_to_target(curves.get(r["run"], ()), target) if timed else math.nan
     for r in rows:
         base = base_of.get((r["group"], int(r["seed"])))
         mine, theirs = r["time_to_target_s"], base["time_to_target_s"] if base is not None else math.nan

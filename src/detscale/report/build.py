@@ -266,7 +266,9 @@ def build_report(run_dirs: Sequence[str | Path], config_path: str | Path, out_di
     if data:
         notes.append(data)
     comm = read_comm(comm_paths)
-    projections, no_projection = projection.project_groups(rows, comm, cfg.projection)
+    projections, no_projection = projection.project_groups(rows, comm, cfg.projection,
+                                                           [r.preflight for r in runs if r.preflight])
+    notes += tables.elastic_notes(rows)
     notes += [f"Experiment point {g}: no 1-GPU run; speed-ups are relative to {b} GPUs."
               for g, b in sorted({(r["group"], r["baseline_gpus"]) for r in rows if r["baseline_gpus"] != 1})]
 

@@ -76,6 +76,25 @@ def fabric_from_comm(comm: Mapping[str, Any]) -> Fabric:
                   f"({comm['backend']}), least-squares fit")
 
 
+def fabric_from_preflight(record: Mapping[str, Any]) -> Fabric:
+    """The alpha-beta fit of a multi-node run's network preflight (``preflight.json``: an all-reduce
+    sweep with one rank per node, :mod:`detscale.cluster.preflight`)."""
+    import numpy as np
+
+    nodes = len(record["nodes"])
+    rows = record["allreduce"]
+    sizes = np.asarray([float(r["bytes"]) * 2 * (nodes - 1) / nodes for r in rows])
+    seconds = np.asarray([float(r["seconds"]) for r in rows])
+    slope, intercept = np.polyfit(sizes, seconds, 1) if len(rows) > 1 else (seconds[0] / sizes[0], 0.0)
+    busbw = 1.0 / slope if slope > 0 else max(float(r["bus_gbps"]) for r in rows) * 1e9
+    hosts = ", ".join(n["host"] for n in record["nodes"])
+    interfaces = ", ".join(sorted({n["interface"] for n in record["nodes"]}))
+    return Fabric(f"measured (preflight, {nodes} nodes)", max(float(intercept), 0.0), float(busbw),
+                  f"network preflight of {hosts} over {interfaces}: gloo all-reduce sweep "
+                  f"{int(rows[0]['bytes']) // 1024} KiB..{int(rows[-1]['bytes']) // 2**20} MiB, one rank per node, "
+                  "least-squares fit (gloo on the hosts: NCCL over the same links is usually faster)")
+
+
 def exposed_comm_s(buckets: Sequence[int], backward_s: float, ranks: int, fabric: Fabric) -> float:
     """All-reduce time left after the backward ends (buckets ready in proportion to their bytes)."""
     if ranks < 2 or not buckets:
@@ -316,13 +335,17 @@ def _comm_for(comm: Sequence[Mapping[str, Any]], model: str, imgsz: int) -> list
 
 
 def project_groups(rows: Sequence[Mapping[str, Any]], comm: Sequence[Mapping[str, Any]],
-                   pcfg: Any) -> tuple[list[GroupProjection], list[str]]:
+                   pcfg: Any, preflights: Sequence[Mapping[str, Any]] = ()) -> tuple[list[GroupProjection], list[str]]:
     """A projection per group that has a 1-GPU run with a breakdown and a communication benchmark; and why
-    the others have none."""
+    the others have none. ``preflights``: the multi-node runs' network preflights (``inter_node: measured``
+    takes the one of the most nodes)."""
     groups: dict[str, list[Mapping[str, Any]]] = {}
     for r in rows:
         groups.setdefault(r["group"], []).append(r)
     out, skipped = [], []
+    if pcfg.inter_node == "measured" and not preflights:
+        return [], [f"{group}: projection.inter_node is 'measured' but no run of these results went through a "
+                    "multi-node network preflight (preflight.json); name a fabric instead" for group in groups]
     for group, members in groups.items():
         base = Baseline.from_rows(members)
         if base is None:
@@ -338,7 +361,10 @@ def project_groups(rows: Sequence[Mapping[str, Any]], comm: Sequence[Mapping[str
             intra = fabric_from_comm(largest)
         else:
             intra = fabric_from_config(pcfg.intra_node, pcfg.fabrics)
-        inter = fabric_from_config(pcfg.inter_node, pcfg.fabrics)
+        if pcfg.inter_node == "measured":
+            inter = fabric_from_preflight(max(preflights, key=lambda p: len(p["nodes"])))
+        else:
+            inter = fabric_from_config(pcfg.inter_node, pcfg.fabrics)
         buckets = [int(b) for b in largest["bucket_bytes"]]
         slowdown = contention_by_ranks(results)
         grid = [project(base, buckets, g, m, intra, inter, contention_for(slowdown, g))

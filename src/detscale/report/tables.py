@@ -50,7 +50,7 @@ EXTRA_COLUMNS = (
     "peak_gflops_per_gpu", "peak_method",
     "epoch_seconds_first", "train_seconds", "val_seconds", "warmup_steps", "measured_steps", "map75",
     "map_small", "map_medium", "map_large", "ar100", "delta_map50_vs_1gpu", "num_images", "tta_target_map50_95",
-    "time_to_target_s", "time_to_target_speedup", "started_at", "finished_at", "run_dir",
+    "time_to_target_s", "time_to_target_speedup", "elastic", "started_at", "finished_at", "run_dir",
 )
 COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 
@@ -95,6 +95,7 @@ class RunArtifacts:
     env: dict[str, Any]
     run_config: dict[str, Any]
     metrics: list[dict[str, Any]]  # metrics.jsonl: one row per epoch (validation mAP where validated)
+    preflight: dict[str, Any] | None = None  # preflight.json of a multi-node run (its network, measured)
 
 
 def _read_json(path: Path, required: Iterable[str], what: str) -> dict[str, Any]:
@@ -148,12 +149,14 @@ def load_run(run_dir: str | Path, cfg: dsconfig.ExperimentConfig | None = None) 
         point = cfg.run(run_id)
     else:
         point = _point_from_run_config(run_id, run_config, cfg_path)
-    if int(timing["world_size"]) != point.gpus:
+    if int(timing["world_size"]) != point.gpus and not timing.get("elastic"):
         raise ReportError(
             f"{run_dir / 'timing.json'} says world_size {timing['world_size']} but run '{run_id}' asks for "
             f"{point.gpus} GPUs; the folder holds another run's results: delete it and re-run"
         )
-    return RunArtifacts(run_dir, point, timing, evaluation, env, run_config, _read_metrics(run_dir / "metrics.jsonl"))
+    preflight = _read_json(run_dir / "preflight.json", (), "") if (run_dir / "preflight.json").is_file() else None
+    return RunArtifacts(run_dir, point, timing, evaluation, env, run_config, _read_metrics(run_dir / "metrics.jsonl"),
+                        preflight)
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -191,7 +194,7 @@ def run_row(run: RunArtifacts) -> dict[str, Any]:
     step_ms = 1000.0 * float(t["global_batch"]) / ips if ips > 0 else math.nan
     wait, compute = float(t["data_wait_share"]), float(t["compute_share"])
     epochs_cfg = (run.run_config.get("grid") or {}).get("epochs")
-    return {
+    row = {
         "run": p.run_id,
         "model": p.model,
         "imgsz": p.imgsz,
@@ -261,6 +264,31 @@ def run_row(run: RunArtifacts) -> dict[str, Any]:
         "finished_at": _as_float(t.get("finished_at")),
         "run_dir": str(run.run_dir),
     }
+    if t.get("elastic"):  # trained on several rank counts: their throughputs stay apart (the elastic column)
+        row.update(dict.fromkeys(THROUGHPUT_FIELDS, math.nan))
+        row["elastic"] = elastic_label(t)
+    return row
+
+
+def elastic_label(timing: Mapping[str, Any]) -> str:
+    """How an elastic run's rank counts followed each other, with each one's own throughput."""
+    segments = timing.get("segments") or []
+    counts = "→".join(str(s["world_size"]) for s in segments)
+    rates = ", ".join(f"{float(s['images_per_s']):.1f}" for s in segments)
+    return f"{counts} ranks ({rates} img/s)" if segments else ""
+
+
+# Fields that describe one rank count's speed: an elastic run has several, so none of them.
+THROUGHPUT_FIELDS = ("images_per_s", "images_per_s_per_gpu", "images_per_s_rank_min", "images_per_s_rank_max",
+                     "step_ms", "data_wait_ms", "compute_ms", "epoch_seconds", "epoch_seconds_first", "mfu",
+                     "mfu_datasheet", "cpu_ms_per_step", "forward_ms", "backward_ms", "comm_ms", "optimizer_ms",
+                     "other_ms")
+
+
+def elastic_notes(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One note per run that changed its rank count on the way."""
+    return [f"`{r['run']}` changed its rank count on the way (elastic: {r['elastic']}); its accuracy counts, its "
+            "throughput is in no table, speed-up or projection" for r in rows if r.get("elastic")]
 
 
 def add_relative(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -273,7 +301,7 @@ def add_relative(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if base_gpus != 1:
             log.warning("group %s has no 1-GPU run; speed-ups are relative to %d GPUs", group, base_gpus)
         base = [r for r in members if r["gpus"] == base_gpus]
-        base_ips = _median([r["images_per_s"] for r in base])
+        base_ips = _median([r["images_per_s"] for r in base if not math.isnan(r["images_per_s"])])
         for r in members:
             paired = [b for b in base if b["seed"] == r["seed"]] or base
             r["baseline_gpus"] = base_gpus
