@@ -155,7 +155,16 @@ def test_run_config_changes_only_with_what_affects_the_run():
     changed = dsconfig.from_dict(raw)
     assert dsruns.run_config_digest(changed, run, "train") == digest
     assert dsruns.run_config_digest(changed, run, "evaluate") != dsruns.run_config_digest(before, run, "evaluate")
+    # the report's own settings touch neither training nor evaluation
+    raw = copy.deepcopy(BASE)
+    raw.update(projection={"inter_node": "measured"}, cost={"gpu_hour": {"H100": 2.5}},
+               machines={"results": ["elsewhere"]})
+    report_only = dsconfig.from_dict(raw)
+    for stage in ("train", "evaluate"):
+        assert dsruns.run_config_digest(report_only, run, stage) == dsruns.run_config_digest(before, run, stage)
     # ...unless the run validates while training
+    raw = copy.deepcopy(BASE)
+    raw["eval"] = {"conf": 0.01}
     raw["train"] = {"val_interval": 1}
     with_val = dsconfig.from_dict(raw)
     raw["eval"] = {"conf": 0.02}

@@ -86,7 +86,9 @@ def test_bad_config_is_a_clear_error(tmp_path: Path):
 @pytest.mark.slow
 def test_end_to_end_tiny(tmp_path: Path):
     """Data to report on 16 images with 1 and 2 CPU ranks, then re-runs do only what a change touches."""
-    config = write_config(tmp_path / "tiny.yaml", TINY)
+    # `machines`: another machine's results folder for `snakemake machines` (filled in below)
+    config = write_config(tmp_path / "tiny.yaml", TINY | {"machines": {"results": [str(tmp_path / "other")],
+                                                                       "labels": ["here", "there"]}})
     result = snakemake(tmp_path, "--configfile", str(config), "--cores", "2", timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
 
@@ -119,6 +121,16 @@ def test_end_to_end_tiny(tmp_path: Path):
     # a second run does nothing
     again = snakemake(tmp_path, "--configfile", str(config), "-n", "--cores", "2", timeout=120)
     assert again.returncode == 0 and planned_jobs(again) == {}, again.stderr[-3000:]
+
+    # `snakemake machines`: these results beside another machine's (here a copy), one report
+    import shutil
+
+    shutil.copytree(tmp_path / "results" / "runs", tmp_path / "other" / "runs")
+    fleet = snakemake(tmp_path, "--configfile", str(config), "--cores", "1", "machines", timeout=300)
+    assert fleet.returncode == 0, fleet.stderr[-3000:]
+    assert planned_jobs(fleet) == {"machines": 1}, fleet.stderr[-3000:]  # nothing else re-ran
+    md = (tmp_path / "results" / "machines" / "machines.md").read_text()
+    assert "| here | `results` |" in md and "| 2 | there | 1 |" in md and "| 2 | here | 1 |" in md
 
     # evaluation settings re-evaluate every run and redo the report, but train nothing
     raw = copy.deepcopy(TINY)

@@ -269,6 +269,23 @@ class ProjectionConfig:
 
 
 @dataclass(frozen=True)
+class MachinesConfig:
+    results: tuple[str, ...] = ()
+    labels: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    currency: str = "USD"
+    gpu_hour: dict[str, float] = field(default_factory=dict)
+
+    def price(self, device: str) -> float | None:
+        """Price per GPU-hour of ``device`` (the longest key it contains, case-insensitive); None unpriced."""
+        keys = [k for k in self.gpu_hour if k.lower() in device.lower()]
+        return float(self.gpu_hour[max(keys, key=len)]) if keys else None
+
+
+@dataclass(frozen=True)
 class RunPoint:
     """One point of the grid: everything that identifies a training run."""
 
@@ -319,6 +336,8 @@ class ExperimentConfig:
     eval: EvalConfig
     placement: PlacementConfig
     projection: ProjectionConfig = field(default_factory=ProjectionConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    machines: MachinesConfig = field(default_factory=MachinesConfig)
     source: str = "config"
 
     def runs(self) -> list[RunPoint]:
@@ -389,6 +408,10 @@ def _semantic_checks(cfg: ExperimentConfig, base: Path) -> None:
                     f"'grid.batch': got global batch {b} with {n} GPUs and scaling 'strong'; the global batch "
                     f"must divide evenly by the GPU count (for example {math.ceil(b / n) * n})"
                 )
+    if cfg.machines.labels and len(cfg.machines.labels) != len(cfg.machines.results) + 1:
+        problems.append(f"'machines.labels': got {len(cfg.machines.labels)} label(s) for "
+                        f"{len(cfg.machines.results) + 1} results folders (this workflow's and machines.results); "
+                        "give one each, this workflow's first, or none")
     pr = cfg.projection
     names = ", ".join(sorted(pr.fabrics))
     if pr.intra_node != "measured" and pr.intra_node not in pr.fabrics:
@@ -417,6 +440,8 @@ def from_dict(raw: Mapping[str, Any], source: str = "config", base: str | Path =
         eval=_build(EvalConfig, data["eval"]),
         placement=_build(PlacementConfig, data["placement"]),
         projection=_build(ProjectionConfig, data["projection"]),
+        cost=_build(CostConfig, data["cost"]),
+        machines=_build(MachinesConfig, data["machines"]),
         source=source,
     )
     _semantic_checks(cfg, Path(base))

@@ -1,6 +1,7 @@
 # Configuration, validated once (schema + the package's semantic checks), and the helpers rules use.
 import os
 import re
+import shlex
 import sys
 
 from detscale import config as dsconfig
@@ -31,6 +32,7 @@ CONDA_ENV = "../../environment.yml"
 RUNS = [point.run_id for point in CFG.runs()]
 RUN_DIR = str(dslayout.runs_dir() / "{run}")
 REPORT_DIR = str(dslayout.report_dir())
+MACHINES_DIR = str(dslayout.RESULTS / "machines")
 COMM_DIR = str(dslayout.comm_dir())
 EXPERIMENT_CONFIG = str(dslayout.experiment_config())
 LOG_DIR = str(dslayout.logs_dir())

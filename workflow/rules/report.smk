@@ -41,3 +41,29 @@ rule report:
     localrule: True
     shell:
         "detscale report --runs {params.runs} --config {input.config} --comm {input.comm} --out {params.out} > {log} 2>&1"
+
+
+# `snakemake machines`: this workflow's results beside other machines' results folders of the same
+# grid (config `machines.results`), lined up by grid point (detscale.report.machines).
+rule machines:
+    input:
+        config=EXPERIMENT_CONFIG,
+        csv=f"{REPORT_DIR}/scaling.csv",
+    output:
+        markdown=f"{MACHINES_DIR}/machines.md",
+        csv=f"{MACHINES_DIR}/machines.csv",
+    params:
+        # this workflow's results folder (the report's grandparent), then the others
+        results=lambda wildcards, input: " ".join(
+            shlex.quote(r) for r in [os.path.dirname(os.path.dirname(input.csv)), *CFG.machines.results]
+        ),
+        labels=" ".join(f"--label {shlex.quote(label)}" for label in CFG.machines.labels),
+        out=lambda wildcards, output: os.path.dirname(output.csv),
+    conda:
+        CONDA_ENV
+    log:
+        f"{LOG_DIR}/machines.log",
+    localrule: True
+    shell:
+        "detscale report --results {params.results} {params.labels} --config {input.config} --out {params.out}"
+        " > {log} 2>&1"

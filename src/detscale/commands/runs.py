@@ -29,7 +29,7 @@ def run_config(cfg: config.ExperimentConfig, run_id: str, stage: str = "train") 
     ``train``: everything that changes what or how the run trains. The evaluation settings are
     kept only when the run validates during training (``train.val_interval > 0``), so changing
     them does not re-train. ``evaluate``: everything else. Neither holds the report's own
-    settings (``eval.tta_fraction``, ``projection``) nor the placement (where and on how many
+    settings (``eval.tta_fraction``, ``projection``, ``cost``, ``machines``) nor the placement (where and on how many
     CPUs jobs run).
     ``repeats`` is the run's repeat index + 1, so the point stays in the narrowed grid and adding
     repeats leaves the earlier repeats' configs unchanged.
@@ -43,7 +43,8 @@ def run_config(cfg: config.ExperimentConfig, run_id: str, stage: str = "train") 
         cache=[point.cache], precision=[point.precision], seeds=[point.seed], repeats=point.repeat + 1,
     )
     data["eval"].pop("tta_fraction")  # read by the report only
-    data.pop("projection")  # read by the report only
+    for section in ("projection", "cost", "machines"):  # read by the report only
+        data.pop(section)
     data.pop("placement")  # where and on how many CPUs jobs run, never what they compute
     if stage == "train" and cfg.train.val_interval == 0:
         data.pop("eval")
