@@ -162,6 +162,15 @@ def test_run_config_changes_only_with_what_affects_the_run():
     report_only = dsconfig.from_dict(raw)
     for stage in ("train", "evaluate"):
         assert dsruns.run_config_digest(report_only, run, stage) == dsruns.run_config_digest(before, run, stage)
+    # moving a run to another GPU count (continue_on) is how it runs this time, not what it computes
+    raw = copy.deepcopy(BASE)
+    raw["continue_on"] = {run: 2}
+    moved = dsconfig.from_dict(raw)
+    assert dsruns.run_config_digest(moved, run) == digest and moved.continue_on == {run: 2}
+    for wrong, message in (({"nope": 2}, "'nope' is not a run of the grid"), ({run: 1}, "already runs on 1 GPU")):
+        raw["continue_on"] = wrong
+        with pytest.raises(dsconfig.ConfigError, match=message):
+            dsconfig.from_dict(raw)
     # ...unless the run validates while training
     raw = copy.deepcopy(BASE)
     raw["eval"] = {"conf": 0.01}

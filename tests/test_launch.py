@@ -131,11 +131,12 @@ grid:
 
 
 def _launch(tmp_path: Path, *launch_args: str, batch: int = 2, scaling: str = "weak",
-            run: str = "gelan-t_64_g2_b2_none_fp32_s0_r0") -> subprocess.CompletedProcess[str]:
+            run: str = "gelan-t_64_g2_b2_none_fp32_s0_r0", train_args: tuple[str, ...] = ()
+            ) -> subprocess.CompletedProcess[str]:
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(CONFIG.format(batch=batch, scaling=scaling))
     cmd = [sys.executable, "-m", "detscale", "launch", *launch_args, "--", "train", "--config", str(cfg),
-           "--run", run, "--out", str(tmp_path / "run")]
+           "--run", run, "--out", str(tmp_path / "run"), *train_args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
 
@@ -143,6 +144,13 @@ def test_cli_wrong_gpu_count_fails_before_start(tmp_path: Path) -> None:
     out = _launch(tmp_path, "--gpus", "3")
     assert out.returncode == 2, out.stderr
     assert "is a 2-rank run but 3 rank(s)" in out.stderr and "--gpus 2" in out.stderr
+    assert "train --resume --elastic" in out.stderr  # the way to continue a trained run elsewhere
+    assert not (tmp_path / "run").exists()
+    # continuing it elastically on 3 ranks cannot keep its 64 images per optimiser step in batches of 2
+    out = _launch(tmp_path, "--gpus", "3", train_args=("--resume", "--elastic"))
+    assert out.returncode == 2, out.stderr
+    assert "each optimiser step holds 64 images (2 per rank x 2 ranks x 16 accumulated)" in out.stderr
+    assert "Continue it on 1, 2, 4, 8, 16 or 32 rank(s)" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -74,6 +74,20 @@ def test_dry_run_default_config(tmp_path: Path):
     assert "timed_run=1" in result.stdout + result.stderr
 
 
+def test_continue_on_moves_one_run_to_another_gpu_count_explicitly(tmp_path: Path):
+    """`continue_on: {RUN: 1}`: that run's job asks for 1 GPU and continues its checkpoint elastically."""
+    raw = copy.deepcopy(TINY) | {"continue_on": {"gelan-t_64_g2_b4_disk_fp32_s0_r0": 1}}
+    result = snakemake(tmp_path, "--configfile", str(write_config(tmp_path / "c.yaml", raw)), "-n", "-p",
+                       "--cores", "2", timeout=120)
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text[-3000:]
+    launches = [line for line in text.splitlines() if "detscale launch" in line and "-- train" in line]
+    moved = [line for line in launches if "--run gelan-t_64_g2_b4_disk_fp32_s0_r0" in line]
+    assert len(launches) == 2 and len(moved) == 1, launches
+    assert "launch --gpus 1 " in moved[0] and "--resume --elastic" in moved[0], moved
+    assert all("--elastic" not in line for line in launches if line not in moved)
+
+
 def test_bad_config_is_a_clear_error(tmp_path: Path):
     raw = copy.deepcopy(TINY)
     raw["grid"].update(gpus=[1, 3], batch=[4], scaling="strong")

@@ -338,6 +338,7 @@ class ExperimentConfig:
     projection: ProjectionConfig = field(default_factory=ProjectionConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     machines: MachinesConfig = field(default_factory=MachinesConfig)
+    continue_on: dict[str, int] = field(default_factory=dict)  # run id -> GPU count (elastic continuation)
     source: str = "config"
 
     def runs(self) -> list[RunPoint]:
@@ -408,6 +409,14 @@ def _semantic_checks(cfg: ExperimentConfig, base: Path) -> None:
                     f"'grid.batch': got global batch {b} with {n} GPUs and scaling 'strong'; the global batch "
                     f"must divide evenly by the GPU count (for example {math.ceil(b / n) * n})"
                 )
+    points = {p.run_id: p for p in cfg.runs()}
+    for run_id, gpus in sorted(cfg.continue_on.items()):
+        if run_id not in points:
+            problems.append(f"'continue_on': {run_id!r} is not a run of the grid (`detscale runs --config` lists them)")
+        elif points[run_id].nodes > 1:
+            problems.append(f"'continue_on': {run_id} is a multi-node point; only single-node runs continue elsewhere")
+        elif gpus == points[run_id].gpus:
+            problems.append(f"'continue_on': {run_id} already runs on {gpus} GPU(s); leave it out")
     if cfg.machines.labels and len(cfg.machines.labels) != len(cfg.machines.results) + 1:
         problems.append(f"'machines.labels': got {len(cfg.machines.labels)} label(s) for "
                         f"{len(cfg.machines.results) + 1} results folders (this workflow's and machines.results); "
@@ -442,6 +451,7 @@ def from_dict(raw: Mapping[str, Any], source: str = "config", base: str | Path =
         projection=_build(ProjectionConfig, data["projection"]),
         cost=_build(CostConfig, data["cost"]),
         machines=_build(MachinesConfig, data["machines"]),
+        continue_on=dict(data["continue_on"]),
         source=source,
     )
     _semantic_checks(cfg, Path(base))

@@ -88,12 +88,18 @@ def point(wildcards):
 
 
 def run_gpus(wildcards):
-    return point(wildcards).gpus
+    """The ranks a run trains on: its grid point's GPUs, or the config's `continue_on` for it."""
+    return CFG.continue_on.get(wildcards.run, point(wildcards).gpus)
+
+
+def run_elastic_arg(wildcards):
+    """`--elastic` for a run that `continue_on` moves to another GPU count (from its checkpoint)."""
+    return "--elastic" if wildcards.run in CFG.continue_on else ""
 
 
 def run_threads(wildcards):
     """CPU threads a run uses: one torch thread budget per rank (capped by Snakemake at --cores)."""
-    return point(wildcards).gpus * CFG.train.cpu_threads_per_rank
+    return run_gpus(wildcards) * CFG.train.cpu_threads_per_rank
 
 
 def run_cache(wildcards):

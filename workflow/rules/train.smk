@@ -23,7 +23,7 @@ TRAIN_OUTPUT = dict(
 TRAIN_SHELL = (
     "detscale launch --gpus {params.gpus} {params.nodes} --threads {params.threads}"
     " --max-restarts {params.max_restarts} --resume-stash {params.out}/resume-stash --"
-    " train --config {input.config} --run {wildcards.run} --out {params.out} --resume"
+    " train --config {input.config} --run {wildcards.run} --out {params.out} --resume {params.elastic}"
     " --data {input.data} {params.cache} > {log} 2>&1"
 )
 
@@ -52,6 +52,7 @@ rule train:
     params:
         out=lambda wildcards, output: os.path.dirname(output.timing),
         gpus=run_gpus,
+        elastic=run_elastic_arg,
         nodes=run_nodes_arg,
         cache=run_cache_arg,
         threads=CFG.train.cpu_threads_per_rank,
@@ -99,6 +100,7 @@ rule train_multinode:
     params:
         out=lambda wildcards, output: os.path.dirname(output.timing),
         gpus=run_gpus,
+        elastic=run_elastic_arg,
         nodes=run_nodes_arg,
         cache=run_cache_arg,
         threads=CFG.train.cpu_threads_per_rank,

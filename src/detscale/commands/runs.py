@@ -45,6 +45,7 @@ def run_config(cfg: config.ExperimentConfig, run_id: str, stage: str = "train") 
     data["eval"].pop("tta_fraction")  # read by the report only
     for section in ("projection", "cost", "machines"):  # read by the report only
         data.pop(section)
+    data.pop("continue_on")  # how many ranks run it this time, never what it computes
     data.pop("placement")  # where and on how many CPUs jobs run, never what they compute
     if stage == "train" and cfg.train.val_interval == 0:
         data.pop("eval")
