@@ -76,7 +76,7 @@ def repeated(tmp_path: Path):
     cfg = dsconfig.load(config_path)
     runs = tmp_path / "runs"
     values = {"gelan-t_64_g1_b8_disk_fp32_s0_r0": (100.0, 0.40), "gelan-t_64_g1_b8_disk_fp32_s0_r1": (110.0, 0.42),
-              "gelan-t_64_g2_b8_disk_fp32_s0_r0": (189.0, 0.38), "gelan-t_64_g2_b8_disk_fp32_s0_r1": (199.5, 0.44)}
+              "gelan-t_64_g2_b8_disk_fp32_s0_r0": (189.0, 0.38), "gelan-t_64_g2_b8_disk_fp32_s0_r1": (199.5, 0.45)}
     spans = {k: (1000.0 + 100 * i, 1090.0 + 100 * i) for i, k in enumerate(values)}
     dirs = [write_run(runs, cfg, k, ips, m, span=spans[k]) for k, (ips, m) in values.items()]
     return config_path, dirs
@@ -287,6 +287,16 @@ def test_seed_pairs_give_mean_delta_and_t_interval(tmp_path: Path):
     assert {r["seed"] for r in csv_rows} == {str(s) for s in range(8)}
     pair = next(r for r in csv_rows if r["run"] == "gelan-t_64_g2_b8_disk_fp32_s3_r0")
     assert float(pair["delta_map50_95_vs_1gpu"]) == pytest.approx(0.002)  # against seed 3's own baseline
+
+
+def test_equal_results_are_called_the_same_trajectory():
+    from detscale.report.accuracy import PairedDelta
+
+    d = PairedDelta("g", 2, 1, "map50", "mAP@0.5", (0,), (0.526,), (0.526,), (0.0,), 0.0, math.nan, math.nan,
+                    math.nan)
+    assert d.verdict().startswith("2 GPUs vs 1, mAP@0.5: equal to the last digit on its seed (1): the 2-GPU run "
+                                  "trained the 1-GPU trajectory")
+    assert "No statement" not in d.verdict()
 
 
 def test_a_consistent_loss_is_called_a_cost(tmp_path: Path):

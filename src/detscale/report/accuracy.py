@@ -50,6 +50,15 @@ class PairedDelta:
     def verdict(self) -> str:
         """One sentence a reader can act on."""
         who = f"{self.gpus} GPUs vs {self.baseline_gpus}"
+        if self.n and all(d == 0.0 for d in self.deltas):
+            runs = "runs" if self.n > 1 else "run"
+            return (f"{who}, {self.label}: equal to the last digit on {'every' if self.n > 1 else 'its'} seed "
+                    f"({self.n}): the {self.gpus}-GPU {runs} trained the {self.baseline_gpus}-GPU trajectory "
+                    "(the same numbers added in the same order: 2 ranks without SyncBN add their gradients in one "
+                    "addition, as one rank accumulating two batches does), so no accuracy cost on this arithmetic. "
+                    "Runs that round "
+                    "differently (GPUs, NCCL, mixed precision, more ranks, SyncBN) part from it: read those through "
+                    "several seeds.")
         if self.n < 2:
             return (f"{who}, {self.label}: Δ {self.mean:+.3f} from one seed. No statement about an accuracy cost is "
                     "possible with one seed: the difference cannot be told from seed-to-seed variation; give "
