@@ -68,8 +68,6 @@ def data_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _worker(rank: int, world: int, store: str, cfg: str, data_yaml: str, run: str, out: str, resume: bool,
             stop_after: int) -> None:
     """``train()`` on this rank in float64; stops (as SIGTERM does) after ``stop_after`` optimiser steps."""
-    import os
-
     import detscale.engine.loop as loop
     import detscale.engine.trainer as trainer
     from test_ddp import _join
@@ -87,7 +85,6 @@ def _worker(rank: int, world: int, store: str, cfg: str, data_yaml: str, run: st
         trainer.StopFlag.agreed = agreed
     code = trainer.train(trainer.TrainRequest(Path(cfg), run, Path(out), resume=resume, data_yaml=Path(data_yaml),
                                               elastic=resume))
-    Path(out, f"code{rank}-{os.getpid()}").write_text(str(code))
     if code not in (0, 75):
         raise SystemExit(code)
 

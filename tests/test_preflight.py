@@ -10,29 +10,27 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from detscale.cluster.slurm import preflight_step
 from detscale.cluster.torchrun import pick_port
 
 
-def _nodes(endpoints: list[str], timeout: float = 6.0, *extra: str) -> tuple[list[int], list[str], float]:
-    """Run one preflight process per endpoint (node rank = position); exit codes, stderr, seconds."""
-    started = time.monotonic()
+def _nodes(endpoints: list[str], timeout: float = 6.0, *extra: str) -> tuple[list[int], list[str]]:
+    """Run one preflight process per endpoint (node rank = position); exit codes and output."""
     procs = [subprocess.Popen([sys.executable, "-m", "detscale.cluster.preflight", f"--endpoint={endpoint}",
                                f"--nodes={len(endpoints)}", f"--node-rank={rank}", "--hosts=alpha,beta",
                                f"--timeout={timeout}", *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank, endpoint in enumerate(endpoints)]
     outs = [p.communicate(timeout=120) for p in procs]
-    return [p.returncode for p in procs], [o[0] + o[1] for o in outs], time.monotonic() - started
+    return [p.returncode for p in procs], [o[0] + o[1] for o in outs]
 
 
 def test_two_nodes_meet_and_record_the_network(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{pick_port(None)}"
     out = tmp_path / "run" / "preflight.json"
-    codes, texts, _ = _nodes([endpoint, endpoint], 60.0, f"--out={out}")
+    codes, texts = _nodes([endpoint, endpoint], 60.0, f"--out={out}")
     assert codes == [0, 0], texts
     record = json.loads(out.read_text())
     assert [n["rank"] for n in record["nodes"]] == [0, 1]
@@ -45,11 +43,11 @@ def test_two_nodes_meet_and_record_the_network(tmp_path: Path) -> None:
 
 def test_an_unresolvable_rendezvous_host_and_a_slow_link_are_named() -> None:
     port = pick_port(None)
-    codes, texts, _ = _nodes([f"127.0.0.1:{port}", f"no-such-host.invalid:{port}"], 3.0)
+    codes, texts = _nodes([f"127.0.0.1:{port}", f"no-such-host.invalid:{port}"], 3.0)
     assert codes == [3, 3]
     assert "node rank 1" in texts[1] and "cannot resolve the rendezvous host 'no-such-host.invalid'" in texts[1]
     endpoint = f"127.0.0.1:{pick_port(None)}"
-    codes, texts, _ = _nodes([endpoint, endpoint], 60.0, "--min-gbps=100000")
+    codes, texts = _nodes([endpoint, endpoint], 60.0, "--min-gbps=100000")
     assert codes[0] == 3 and "below the floor of 100000 GB/s" in texts[0] and "(interface lo)" in texts[0], texts
 
 

@@ -202,13 +202,18 @@ def pingpong(rank: int, nodes: int) -> list[float]:
     return rates
 
 
+def node_rank(args: argparse.Namespace) -> int:
+    """``--node-rank``, else Slurm's node id of this task."""
+    return args.node_rank if args.node_rank is not None else int(os.environ.get("SLURM_NODEID", "0"))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """This node's part of the preflight; returns the record (complete on the first node)."""
     import torch.distributed as tdist
 
     started = time.monotonic()
     host, port = args.endpoint.rsplit(":", 1)
-    rank = args.node_rank if args.node_rank is not None else int(os.environ.get("SLURM_NODEID", "0"))
+    rank = node_rank(args)
     # the other nodes give up first, so that a node that cannot connect says why before the first
     # node says that it is missing
     deadline = started + args.timeout * (1.0 if rank == 0 else 0.85)
@@ -295,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PreflightError as exc:
         print(f"detscale preflight failed: {exc}", file=sys.stderr, flush=True)
         return EXIT_PREFLIGHT
-    if (args.node_rank or int(os.environ.get("SLURM_NODEID", "0"))) == 0:
+    if node_rank(args) == 0:
         print(summary(record), flush=True)
     return 0
 

@@ -202,12 +202,11 @@ def _train(req: TrainRequest, cfg: ExperimentConfig, point: RunPoint, info: dist
 
     digest = config_digest(cfg, point)
     ckpt = find_resume_checkpoint(paths, req.resume, digest, info.world_size, req.elastic)
-    elastic = req.elastic and (info.world_size != point.gpus or (ckpt is not None and ckpt["world_size"] != point.gpus))
-    if elastic and ckpt is None:
+    if req.elastic and ckpt is None and info.world_size != point.gpus:
         raise CheckpointError(
             f"--elastic continues a run on another rank count, but {paths.last} does not exist (add --resume, or "
             f"start run {point.run_id} on the {point.gpus} rank(s) of its grid point)")
-    sem = derive_semantics(cfg, point, info.world_size, info.device.type, elastic=elastic)
+    sem = derive_semantics(cfg, point, info.world_size, info.device.type, elastic=req.elastic)
     data_yaml = Path(req.data_yaml) if req.data_yaml else default_data_yaml(cfg)
     cache_dir = Path(req.cache_dir) if req.cache_dir else layout.cache_dir(cfg.dataset.name)
     spec = load_spec(data_yaml, splits=("val",) if cfg.train.val_interval > 0 else ())

@@ -16,9 +16,7 @@ Writes ``machines.md`` and ``machines.csv`` under DIR.
 
 from __future__ import annotations
 
-import json
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,11 +68,6 @@ def origin_of(folder: Path, runs: Sequence[tables.RunArtifacts], label: str | No
     return Origin(label or f"{host} ({device})", folder, host, device, str(env.get("driver") or "—"), fabric, env)
 
 
-def _median(values: Sequence[float]) -> float:
-    vals = [v for v in values if not math.isnan(v)]
-    return float(statistics.median(vals)) if vals else math.nan
-
-
 def machine_rows(origin: Origin, runs: Sequence[tables.RunArtifacts], cost: CostConfig) -> list[dict[str, Any]]:
     """One row per (grid point, GPU count) of one machine: medians over its seeds and repeats, with costs."""
     rows = tables.scaling_rows(runs)
@@ -84,7 +77,7 @@ def machine_rows(origin: Origin, runs: Sequence[tables.RunArtifacts], cost: Cost
     out = []
     for key in sorted({(r["group"], int(r["gpus"])) for r in rows}):
         members = [r for r in rows if (r["group"], int(r["gpus"])) == key]
-        med = {col: _median([float(r[col]) for r in members])
+        med = {col: tables.Stat.of([float(r[col]) for r in members]).median
                for col in ("images_per_s", "speedup", "efficiency", "mfu", "map50_95", "map50", "peak_mem_gb_per_gpu",
                            "epoch_seconds", "time_to_target_s")}
         gpu_hours = key[1] * med["epoch_seconds"] / 3600
@@ -98,14 +91,11 @@ def machine_rows(origin: Origin, runs: Sequence[tables.RunArtifacts], cost: Cost
 
 def environment_table(origins: Sequence[Origin]) -> list[tuple[str, list[str], bool]]:
     """(key, value per machine, changes the arithmetic) of every env.json key that differs between machines."""
-    keys = sorted({k for o in origins for k in o.env} - IGNORED_ENV)
-    out = []
-    for key in keys:
-        values = [o.env.get(key) for o in origins]
-        shown = [v if isinstance(v, str) else json.dumps(v) for v in values]
-        if len(set(shown)) > 1:
-            out.append((key, shown, key in tables.NUMERIC_ENV_KEYS))
-    return out
+    from detscale.report.build import environment_differences
+
+    differ = environment_differences({o.label: o.env for o in origins}, IGNORED_ENV)
+    return [(key, [next(v for v, who in values.items() if o.label in who) for o in origins],
+             key in tables.NUMERIC_ENV_KEYS) for key, values in differ.items()]
 
 
 def _fmt(value: float, fmt: str) -> str:
